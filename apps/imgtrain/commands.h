@@ -1,0 +1,11 @@
+// One function per subcommand; each returns the exit code.
+#pragma once
+#include <string>
+#include <vector>
+
+namespace imgtrain::app {
+int train(const std::vector<std::string>& args);
+int validate(const std::vector<std::string>& args);
+int models(const std::vector<std::string>& args);
+int version(const char* version);
+}  // namespace imgtrain::app

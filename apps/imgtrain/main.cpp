@@ -1,0 +1,52 @@
+// imgtrain: timm's train.py / validate.py as one native binary. Parses the subcommand and
+// dispatches; user errors become one line on stderr and exit code 2.
+#include "apps/imgtrain/commands.h"
+#include "core/error.h"
+
+#include <c10/util/Exception.h>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#ifndef IMGTRAIN_VERSION
+#define IMGTRAIN_VERSION "0.0.0"
+#endif
+
+namespace {
+const char* kUsage =
+    "usage: imgtrain <command> [flags]\n"
+    "\n"
+    "commands:\n"
+    "  train       train a model (timm train.py flags; -c config.yaml)\n"
+    "  validate    evaluate a checkpoint (timm validate.py flags)\n"
+    "  models      list models: imgtrain models ['resnet*'] [--verbose]\n"
+    "\n"
+    "imgtrain <command> --help shows the command's flags; imgtrain --version the version.\n";
+}
+
+int main(int argc, char** argv) {
+  if (argc < 2 || !std::strcmp(argv[1], "-h") || !std::strcmp(argv[1], "--help")) {
+    std::fputs(kUsage, argc < 2 ? stderr : stdout);
+    return argc < 2 ? 2 : 0;
+  }
+  std::string cmd = argv[1];
+  std::vector<std::string> args(argv + 2, argv + argc);
+  try {
+    if (cmd == "--version" || cmd == "version") return imgtrain::app::version(IMGTRAIN_VERSION);
+    if (cmd == "train") return imgtrain::app::train(args);
+    if (cmd == "validate") return imgtrain::app::validate(args);
+    if (cmd == "models") return imgtrain::app::models(args);
+    std::fprintf(stderr, "imgtrain: unknown command '%s' (expected train, validate or models)\n", cmd.c_str());
+    return 2;
+  } catch (const imgtrain::UserError& e) {
+    std::fprintf(stderr, "imgtrain: error: %s\n", e.what());
+    return 2;
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "imgtrain: internal error: %s\n", e.what_without_backtrace());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "imgtrain: internal error: %s\n", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,394 @@
+#include "cli/config.h"
+
+#include "core/error.h"
+#include "core/registry.h"
+
+#include <cxxopts.hpp>
+#include <fmt/format.h>
+#include <yaml-cpp/yaml.h>
+
+#include <cmath>
+#include <iostream>
+#include <set>
+#include <variant>
+
+namespace imgtrain::cli {
+namespace {
+
+using Field = std::variant<int64_t Config::*, double Config::*, std::string Config::*, bool Config::*,
+                           std::vector<double> Config::*, std::optional<int64_t> Config::*,
+                           std::optional<double> Config::*>;
+
+enum : unsigned { TRAIN = 1, VALIDATE = 2, BOTH = 3 };
+
+struct Flag {
+  const char* name;   // long name, dashes (the YAML key is the same with underscores)
+  const char* alias;  // "" or one alias: a short letter, "-vb", or another long name
+  Field field;
+  const char* help;
+  unsigned cmds = TRAIN;
+  std::vector<std::string> choices = {};
+  // Extra range check: returns "" when fine, else what would be accepted.
+  std::string (*check)(double) = nullptr;
+  size_t nargs = 1;  // for list flags: exact count
+};
+
+std::string positive(double v) { return v > 0 ? "" : "a positive number"; }
+std::string non_negative(double v) { return v >= 0 ? "" : "a number >= 0"; }
+std::string probability(double v) { return v >= 0 && v <= 1 ? "" : "a number in [0, 1]"; }
+std::string crop_range(double v) { return v > 0 && v <= 1 ? "" : "a number in (0, 1]"; }
+std::string smoothing_range(double v) { return v >= 0 && v < 1 ? "" : "a number in [0, 1)"; }
+
+const std::vector<Flag>& flags() {
+  static const std::vector<Flag> f = {
+      // model
+      {"model", "", &Config::model, "Name of model to train (see `imgtrain models`)", BOTH},
+      {"initial-checkpoint", "", &Config::initial_checkpoint, "Load this checkpoint's weights before training"},
+      {"resume", "", &Config::resume, "Resume model, optimizer and schedule from this checkpoint"},
+      {"no-resume-opt", "", &Config::no_resume_opt, "Do not restore optimizer state when resuming"},
+      {"checkpoint", "", &Config::checkpoint, "Checkpoint to validate", VALIDATE},
+      {"use-ema", "", &Config::use_ema, "Validate the EMA weights of the checkpoint", VALIDATE},
+      {"num-classes", "", &Config::num_classes, "Number of label classes (default: from the dataset)", BOTH, {},
+       positive},
+      {"img-size", "", &Config::img_size, "Image size (default: the model's)", BOTH, {}, positive},
+      {"in-chans", "", &Config::in_chans, "Image input channels (default: 3; 1 for grayscale)", BOTH, {}, positive},
+      {"crop-pct", "", &Config::crop_pct, "Eval center crop fraction (default: the model's)", BOTH, {}, crop_range},
+      {"interpolation", "", &Config::interpolation, "Eval interpolation (default: the model's)", BOTH,
+       {"", "bilinear", "bicubic"}},
+      {"batch-size", "b", &Config::batch_size, "Input batch size per process", BOTH, {}, positive},
+      {"validation-batch-size", "-vb", &Config::validation_batch_size,
+       "Validation batch size (default: --batch-size)", TRAIN, {}, positive},
+      {"device", "", &Config::device, "Device: auto (cuda when available), cpu, cuda, cuda:N", BOTH},
+      // optimizer
+      {"opt", "", &Config::opt, "Optimizer", TRAIN, {"sgd", "momentum", "adamw"}},
+      {"momentum", "", &Config::momentum, "Optimizer momentum", TRAIN, {}, non_negative},
+      {"weight-decay", "", &Config::weight_decay, "Weight decay (none on biases and 1-D parameters)", TRAIN, {},
+       non_negative},
+      // schedule
+      {"sched", "", &Config::sched, "LR scheduler", TRAIN, {"cosine", "step"}},
+      {"lr", "", &Config::lr, "Learning rate (default: --lr-base scaled by the global batch size)", TRAIN, {},
+       positive},
+      {"lr-base", "", &Config::lr_base, "Base learning rate at --lr-base-size", TRAIN, {}, positive},
+      {"lr-base-size", "", &Config::lr_base_size, "Batch size of --lr-base", TRAIN, {}, positive},
+      {"lr-base-scale", "", &Config::lr_base_scale, "Scaling of --lr-base ('' = sqrt for ada*, else linear)", TRAIN,
+       {"", "linear", "sqrt"}},
+      {"warmup-lr", "", &Config::warmup_lr, "Warmup learning rate", TRAIN, {}, non_negative},
+      {"min-lr", "", &Config::min_lr, "Lower lr bound for cyclic schedulers", TRAIN, {}, non_negative},
+      {"epochs", "", &Config::epochs, "Number of epochs to train", TRAIN, {}, positive},
+      {"start-epoch", "", &Config::start_epoch, "Manual epoch number (useful on restarts)", TRAIN, {}, non_negative},
+      {"decay-epochs", "", &Config::decay_epochs, "Epoch interval to decay LR (step)", TRAIN, {}, positive},
+      {"warmup-epochs", "", &Config::warmup_epochs, "Epochs to warm up LR", TRAIN, {}, non_negative},
+      {"decay-rate", "dr", &Config::decay_rate, "LR decay rate (step)", TRAIN, {}, positive},
+      // augmentation
+      {"no-aug", "", &Config::no_aug, "Disable all training augmentation"},
+      {"scale", "", &Config::scale, "Random resize scale range (two numbers)", TRAIN, {}, positive, 2},
+      {"ratio", "", &Config::ratio, "Random resize aspect ratio range (two numbers)", TRAIN, {}, positive, 2},
+      {"hflip", "", &Config::hflip, "Horizontal flip probability", TRAIN, {}, probability},
+      {"train-interpolation", "", &Config::train_interpolation, "Training interpolation", TRAIN,
+       {"random", "bilinear", "bicubic"}},
+      {"smoothing", "", &Config::smoothing, "Label smoothing", TRAIN, {}, smoothing_range},
+      {"drop", "", &Config::drop, "Dropout rate before the classifier", TRAIN, {}, probability},
+      {"drop-path", "", &Config::drop_path, "Drop path (stochastic depth) rate", TRAIN, {}, probability},
+      // data
+      {"data-dir", "", &Config::data_dir, "Path to the dataset root", BOTH},
+      {"dataset", "", &Config::dataset, "Dataset type: '' (ImageFolder) or fashion-mnist", BOTH,
+       {"", "fashion-mnist"}},
+      {"train-split", "", &Config::train_split, "Training split folder", TRAIN},
+      {"val-split", "", &Config::val_split, "Validation split folder", TRAIN},
+      {"split", "", &Config::split, "Split to validate", VALIDATE},
+      {"workers", "j", &Config::workers, "Loader threads", BOTH, {}, non_negative},
+      {"pin-mem", "", &Config::pin_mem, "Pin host memory of batches (CUDA)", BOTH},
+      // misc
+      {"seed", "", &Config::seed, "Random seed", TRAIN, {}, non_negative},
+      {"log-interval", "", &Config::log_interval, "Batches between log lines", BOTH, {}, positive},
+      {"checkpoint-hist", "", &Config::checkpoint_hist, "Number of checkpoints to keep", TRAIN, {}, positive},
+      {"output", "", &Config::output, "Output folder root (default: ./output/train)", TRAIN},
+      {"experiment", "", &Config::experiment, "Name of the run's folder under --output", TRAIN},
+      {"eval-metric", "", &Config::eval_metric, "Best metric", TRAIN, {"top1", "top5", "loss"}},
+  };
+  return f;
+}
+
+std::string key_of(const std::string& name) {
+  std::string k = name;
+  std::replace(k.begin(), k.end(), '-', '_');
+  return k;
+}
+
+bool parse_bool(const std::string& s, bool& out) {
+  if (s == "true" || s == "True" || s == "1" || s == "yes") return out = true, true;
+  if (s == "false" || s == "False" || s == "0" || s == "no") return out = false, true;
+  return false;
+}
+
+bool parse_int(const std::string& s, int64_t& out) {
+  if (s.empty()) return false;
+  char* end = nullptr;
+  errno = 0;
+  long long v = std::strtoll(s.c_str(), &end, 10);
+  if (errno || *end) return false;
+  out = v;
+  return true;
+}
+
+bool parse_float(const std::string& s, double& out) {
+  if (s.empty()) return false;
+  char* end = nullptr;
+  double v = std::strtod(s.c_str(), &end);
+  if (*end || !std::isfinite(v)) return false;
+  out = v;
+  return true;
+}
+
+std::vector<std::string> split_list(const std::string& s) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (start <= s.size()) {
+    size_t p = s.find(',', start);
+    if (p == std::string::npos) p = s.size();
+    out.push_back(s.substr(start, p - start));
+    start = p + 1;
+  }
+  return out;
+}
+
+std::string integer_expectation(const Flag& f) {
+  std::string what = f.check ? f.check(-1) : "an integer";
+  auto p = what.find("number");
+  return p == std::string::npos ? what : what.replace(p, 6, "integer");
+}
+
+// Sets one flag from its text form. `where` is "--flag" or "key 'k' in FILE" for the message.
+void assign(Config& c, const Flag& f, const std::string& value, const std::string& where) {
+  auto bad = [&](const std::string& accepted) {
+    throw UserError(fmt::format("{} '{}': expected {}", where, value, accepted));
+  };
+  auto checked = [&](double v) {
+    if (f.check) {
+      auto msg = f.check(v);
+      if (!msg.empty()) bad(msg);
+    }
+  };
+  std::visit(
+      [&](auto member) {
+        using T = std::decay_t<decltype(c.*member)>;
+        if constexpr (std::is_same_v<T, std::string>) {
+          if (!f.choices.empty() && std::find(f.choices.begin(), f.choices.end(), value) == f.choices.end()) {
+            std::string list;
+            for (auto& ch : f.choices) list += (list.empty() ? "" : ", ") + (ch.empty() ? "''" : ch);
+            bad("one of " + list);
+          }
+          c.*member = value;
+        } else if constexpr (std::is_same_v<T, bool>) {
+          bool b;
+          if (!parse_bool(value, b)) bad("true or false");
+          c.*member = b;
+        } else if constexpr (std::is_same_v<T, int64_t> || std::is_same_v<T, std::optional<int64_t>>) {
+          int64_t v;
+          if (!parse_int(value, v)) bad(integer_expectation(f));
+          if (f.check && !f.check(double(v)).empty()) bad(integer_expectation(f));
+          c.*member = v;
+        } else if constexpr (std::is_same_v<T, double> || std::is_same_v<T, std::optional<double>>) {
+          double v;
+          if (!parse_float(value, v)) bad(f.check ? f.check(-1) : "a number");
+          checked(v);
+          c.*member = v;
+        } else {
+          std::vector<double> vs;
+          for (auto& part : split_list(value)) {
+            double v;
+            if (!parse_float(part, v)) bad(fmt::format("{} numbers", f.nargs));
+            checked(v);
+            vs.push_back(v);
+          }
+          if (vs.size() != f.nargs) bad(fmt::format("{} numbers", f.nargs));
+          if (vs[0] > vs[1]) bad("a range 'low high' with low <= high");
+          c.*member = vs;
+        }
+      },
+      f.field);
+}
+
+void clear_optional(Config& c, const Flag& f) {
+  std::visit(
+      [&](auto member) {
+        using T = std::decay_t<decltype(c.*member)>;
+        if constexpr (std::is_same_v<T, std::optional<int64_t>> || std::is_same_v<T, std::optional<double>>)
+          c.*member = std::nullopt;
+      },
+      f.field);
+}
+
+void apply_yaml(Config& c, Command cmd, const std::string& path) {
+  YAML::Node root;
+  try {
+    root = YAML::LoadFile(path);
+  } catch (const YAML::BadFile&) {
+    throw UserError(fmt::format("--config '{}': cannot read the file", path));
+  } catch (const YAML::Exception& e) {
+    throw UserError(fmt::format("--config '{}': not valid YAML ({})", path, e.msg));
+  }
+  if (root.IsNull()) return;
+  if (!root.IsMap()) throw UserError(fmt::format("--config '{}': expected a mapping of flag names to values", path));
+  unsigned bit = cmd == Command::Train ? TRAIN : VALIDATE;
+  for (auto it : root) {
+    std::string key = key_of(it.first.as<std::string>());
+    const Flag* flag = nullptr;
+    for (auto& f : flags())
+      if (key_of(f.name) == key && (f.cmds & bit)) flag = &f;
+    if (!flag) {
+      std::vector<std::string> keys;
+      for (auto& f : flags())
+        if (f.cmds & bit) keys.push_back(key_of(f.name));
+      throw UserError(fmt::format("--config '{}': unknown key '{}' (did you mean '{}'?)", path, key,
+                                  closest_names(key, keys, 1).at(0)));
+    }
+    const YAML::Node& v = it.second;
+    std::string where = fmt::format("key '{}' in {}", key, path);
+    if (v.IsNull()) {
+      clear_optional(c, *flag);
+    } else if (v.IsSequence()) {
+      std::string joined;
+      for (auto e : v) joined += (joined.empty() ? "" : ",") + e.as<std::string>();
+      assign(c, *flag, joined, where);
+    } else if (v.IsScalar()) {
+      assign(c, *flag, v.as<std::string>(), where);
+    } else {
+      throw UserError(fmt::format("{}: expected a value or a list", where));
+    }
+  }
+}
+
+}  // namespace
+
+std::optional<Config> parse(Command cmd, const std::vector<std::string>& in_args) {
+  unsigned bit = cmd == Command::Train ? TRAIN : VALIDATE;
+  const char* name = cmd == Command::Train ? "imgtrain train" : "imgtrain validate";
+  cxxopts::Options opts(name, cmd == Command::Train ? "Train an image classification model (timm train.py flags)"
+                                                    : "Validate a checkpoint (timm validate.py flags)");
+  opts.add_options()("c,config", "YAML file of flag defaults (timm args.yaml keys)", cxxopts::value<std::string>())(
+      "h,help", "Show this help");
+  for (auto& f : flags()) {
+    if (!(f.cmds & bit)) continue;
+    std::string spec = f.name;
+    if (std::strlen(f.alias) == 1) spec = std::string(f.alias) + "," + spec;
+    auto v = cxxopts::value<std::string>();
+    if (std::holds_alternative<bool Config::*>(f.field)) v->implicit_value("true");
+    std::string help = f.help;
+    if (!f.choices.empty()) {
+      std::string list;
+      for (auto& ch : f.choices) list += (list.empty() ? "" : "|") + (ch.empty() ? "''" : ch);
+      help += " [" + list + "]";
+    }
+    opts.add_options()(spec, help, v);
+  }
+
+  // timm's argparse takes `--scale 0.08 1.0` and two-letter short flags like -vb; cxxopts takes
+  // neither, so rewrite them to `--scale=0.08,1.0` and `--validation-batch-size` first.
+  std::vector<std::string> args;
+  for (size_t i = 0; i < in_args.size(); ++i) {
+    std::string a = in_args[i];
+    for (auto& f : flags()) {
+      if (!(f.cmds & bit)) continue;
+      std::string alias = f.alias;
+      if (alias.size() > 1 && (a == alias || a == "--" + alias)) a = std::string("--") + f.name;
+      if (alias.size() > 1 && a.rfind(alias + "=", 0) == 0) a = std::string("--") + f.name + a.substr(alias.size());
+    }
+    for (auto& f : flags()) {
+      if (f.nargs > 1 && (f.cmds & bit) && a == std::string("--") + f.name) {
+        std::string joined;
+        size_t k = 0;
+        for (; k < f.nargs && i + 1 < in_args.size(); ++k) joined += (k ? "," : "") + in_args[++i];
+        a += "=" + joined;
+      }
+    }
+    args.push_back(a);
+  }
+  // Unknown flags: say which, and the closest known one (cxxopts' own message is less useful).
+  std::vector<std::string> known{"config", "help"};
+  for (auto& f : flags())
+    if (f.cmds & bit) known.push_back(f.name);
+  for (auto& a : args) {
+    if (a.size() < 2 || a[0] != '-' || std::isdigit(static_cast<unsigned char>(a[1])) || a[1] == '.') continue;
+    std::string flag = a.rfind("--", 0) == 0 ? a.substr(2, a.find('=') == std::string::npos ? std::string::npos
+                                                                                             : a.find('=') - 2)
+                                               : std::string();
+    if (a.rfind("--", 0) != 0) {  // short: -b, -j, -c, -h (possibly with the value attached)
+      char ch = a[1];
+      if (ch == 'b' || ch == 'j' || ch == 'c' || ch == 'h') continue;
+      flag = a.substr(1);
+    }
+    if (std::find(known.begin(), known.end(), flag) == known.end())
+      throw UserError(fmt::format("unknown flag '{}' for {} (did you mean --{}?)", a.substr(0, a.find('=')), name,
+                                  closest_names(flag, known, 1).at(0)));
+  }
+  std::vector<char*> argv{const_cast<char*>(name)};
+  for (auto& a : args) argv.push_back(a.data());
+
+  cxxopts::ParseResult r;
+  try {
+    r = opts.parse(int(argv.size()), argv.data());
+  } catch (const cxxopts::exceptions::exception& e) {
+    throw UserError(fmt::format("{}: {}", name, e.what()));
+  }
+  if (r.count("help")) {
+    std::cout << opts.help() << std::endl;
+    return std::nullopt;
+  }
+  if (!r.unmatched().empty())
+    throw UserError(fmt::format("{}: unexpected argument '{}' (flags start with --)", name, r.unmatched()[0]));
+
+  Config c;
+  if (r.count("config")) {
+    c.config_file = r["config"].as<std::string>();
+    apply_yaml(c, cmd, c.config_file);
+  }
+  for (auto& f : flags()) {
+    if (!(f.cmds & bit) || !r.count(f.name)) continue;
+    std::string where = std::string("--") + f.name;
+    assign(c, f, r[f.name].as<std::string>(), where);
+  }
+  if (c.device != "auto" && c.device != "cpu" && c.device != "cuda" && c.device.rfind("cuda:", 0) != 0)
+    throw UserError(fmt::format("--device '{}': expected auto, cpu, cuda or cuda:N", c.device));
+  if (c.device.rfind("cuda:", 0) == 0) {
+    int64_t idx;
+    if (!parse_int(c.device.substr(5), idx) || idx < 0)
+      throw UserError(fmt::format("--device '{}': expected auto, cpu, cuda or cuda:N", c.device));
+  }
+  return c;
+}
+
+std::string to_yaml(Command cmd, const Config& c) {
+  unsigned bit = cmd == Command::Train ? TRAIN : VALIDATE;
+  YAML::Emitter out;
+  out << YAML::BeginMap;
+  for (auto& f : flags()) {
+    if (!(f.cmds & bit)) continue;
+    out << YAML::Key << key_of(f.name) << YAML::Value;
+    std::visit(
+        [&](auto member) {
+          using T = std::decay_t<decltype(c.*member)>;
+          const T& v = c.*member;
+          if constexpr (std::is_same_v<T, std::vector<double>>) {
+            out << YAML::Flow << YAML::BeginSeq;
+            for (double d : v) out << fmt::format("{}", d);
+            out << YAML::EndSeq;
+          } else if constexpr (std::is_same_v<T, std::optional<int64_t>>) {
+            if (v) out << *v; else out << YAML::Null;
+          } else if constexpr (std::is_same_v<T, std::optional<double>>) {
+            if (v) out << fmt::format("{}", *v); else out << YAML::Null;
+          } else if constexpr (std::is_same_v<T, double>) {
+            out << fmt::format("{}", v);
+          } else if constexpr (std::is_same_v<T, std::string>) {
+            out << YAML::DoubleQuoted << v;
+          } else {
+            out << v;
+          }
+        },
+        f.field);
+  }
+  out << YAML::EndMap;
+  return std::string(out.c_str()) + "\n";
+}
+
+}  // namespace imgtrain::cli

@@ -1,0 +1,81 @@
+// Flag schema with timm's names, the YAML config merge (-c: the file sets defaults, the command
+// line overrides) and validation into a plain Config struct. Errors are UserErrors naming the
+// flag or key, the value and what is accepted.
+#pragma once
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace imgtrain::cli {
+
+struct Config {
+  // model
+  std::string model = "resnet50";
+  std::string initial_checkpoint;
+  std::string resume;
+  bool no_resume_opt = false;
+  std::optional<int64_t> num_classes;
+  std::optional<int64_t> img_size;
+  std::optional<int64_t> in_chans;
+  std::optional<double> crop_pct;
+  std::string interpolation;
+  int64_t batch_size = 128;
+  std::optional<int64_t> validation_batch_size;
+  std::string device = "auto";
+  std::string checkpoint;  // validate
+  bool use_ema = false;    // validate
+  // optimizer
+  std::string opt = "sgd";
+  double momentum = 0.9;
+  double weight_decay = 2e-5;
+  // schedule
+  std::string sched = "cosine";
+  std::optional<double> lr;
+  double lr_base = 0.1;
+  int64_t lr_base_size = 256;
+  std::string lr_base_scale;
+  double warmup_lr = 1e-5;
+  double min_lr = 0.0;
+  int64_t epochs = 300;
+  std::optional<int64_t> start_epoch;
+  int64_t decay_epochs = 90;
+  int64_t warmup_epochs = 5;
+  double decay_rate = 0.1;
+  // augmentation / regularisation
+  bool no_aug = false;
+  std::vector<double> scale{0.08, 1.0};
+  std::vector<double> ratio{3.0 / 4.0, 4.0 / 3.0};
+  double hflip = 0.5;
+  std::string train_interpolation = "random";
+  double smoothing = 0.1;
+  double drop = 0.0;
+  std::optional<double> drop_path;
+  // data
+  std::string data_dir;
+  std::string dataset;
+  std::string train_split = "train";
+  std::string val_split = "validation";
+  std::string split = "validation";  // validate
+  int64_t workers = 4;
+  bool pin_mem = false;
+  // misc
+  int64_t seed = 42;
+  int64_t log_interval = 50;
+  int64_t checkpoint_hist = 10;
+  std::string output;
+  std::string experiment;
+  std::string eval_metric = "top1";
+  std::string config_file;
+};
+
+enum class Command { Train, Validate };
+
+// Parses args (without the program and subcommand names). Returns nullopt when --help was given
+// (the help text has been printed). Throws UserError on any bad input.
+std::optional<Config> parse(Command cmd, const std::vector<std::string>& args);
+
+// timm's args.yaml: every flag of `cmd` as `key: value`, readable back with -c.
+std::string to_yaml(Command cmd, const Config& c);
+
+}  // namespace imgtrain::cli

@@ -1,0 +1,40 @@
+// The interface every classification model implements, and its default data config (timm's
+// pretrained_cfg: input size, mean, std, crop_pct, interpolation). The engine trains any model
+// through this interface; model_zoo provides the architectures.
+#pragma once
+#include <torch/nn/module.h>
+#include <array>
+#include <string>
+#include <vector>
+
+namespace imgtrain {
+
+struct ModelDefaults {
+  std::array<int64_t, 3> input_size{3, 224, 224};
+  std::array<double, 3> mean{0.485, 0.456, 0.406};
+  std::array<double, 3> std{0.229, 0.224, 0.225};
+  double crop_pct = 0.875;
+  std::string interpolation = "bilinear";
+  int64_t num_classes = 1000;
+  std::string first_conv = "conv1";
+  std::string classifier = "fc";
+};
+
+struct ModelArgs {
+  int64_t num_classes = 1000;
+  int64_t in_chans = 3;
+  double drop_rate = 0.0;
+  double drop_path_rate = 0.0;
+  std::string global_pool = "avg";
+};
+
+class ClassifierImpl : public torch::nn::Module {
+ public:
+  virtual at::Tensor forward_features(const at::Tensor& x) = 0;
+  virtual at::Tensor forward_head(const at::Tensor& x, bool pre_logits = false) = 0;
+  at::Tensor forward(const at::Tensor& x) { return forward_head(forward_features(x)); }
+  virtual int64_t num_classes() const = 0;
+  virtual int64_t num_features() const = 0;
+};
+
+}  // namespace imgtrain

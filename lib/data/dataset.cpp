@@ -1,0 +1,224 @@
+#include "data/dataset.h"
+
+#include "core/error.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <opencv2/imgproc.hpp>
+#ifdef IMGTRAIN_WITH_IMGCODECS
+#include <opencv2/imgcodecs.hpp>
+#endif
+#include <turbojpeg.h>
+#include <zlib.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+
+namespace fs = std::filesystem;
+
+namespace imgtrain::data {
+
+IdxArray read_idx(const std::string& path) {
+  gzFile f = gzopen(path.c_str(), "rb");
+  if (!f) throw UserError(fmt::format("cannot open IDX file '{}'", path));
+  std::string bytes;
+  char buf[1 << 16];
+  int n;
+  while ((n = gzread(f, buf, sizeof buf)) > 0) bytes.append(buf, size_t(n));
+  int err = 0;
+  const char* msg = gzerror(f, &err);
+  bool broken = n < 0 || (err != Z_OK && err != Z_STREAM_END);
+  std::string why = broken ? msg : "";
+  gzclose(f);
+  if (broken) throw UserError(fmt::format("IDX file '{}' is corrupt or truncated ({})", path, why));
+  if (bytes.size() < 4 || bytes[0] != 0 || bytes[1] != 0)
+    throw UserError(fmt::format("'{}' is not an IDX file (wrong magic number)", path));
+  if (uint8_t(bytes[2]) != 0x08)
+    throw UserError(fmt::format("IDX file '{}' has element type 0x{:02x}; only unsigned bytes (0x08) are supported",
+                                path, uint8_t(bytes[2])));
+  IdxArray a;
+  size_t ndim = uint8_t(bytes[3]);
+  if (ndim == 0 || bytes.size() < 4 + 4 * ndim)
+    throw UserError(fmt::format("IDX file '{}' is truncated in its header", path));
+  size_t total = 1;
+  for (size_t d = 0; d < ndim; ++d) {
+    const auto* p = reinterpret_cast<const uint8_t*>(bytes.data() + 4 + 4 * d);
+    int64_t v = (int64_t(p[0]) << 24) | (p[1] << 16) | (p[2] << 8) | p[3];
+    a.dims.push_back(v);
+    total *= size_t(v);
+  }
+  size_t off = 4 + 4 * ndim;
+  if (bytes.size() - off < total)
+    throw UserError(fmt::format("IDX file '{}' is truncated: {} of {} data bytes", path, bytes.size() - off, total));
+  a.data.assign(bytes.begin() + long(off), bytes.begin() + long(off + total));
+  return a;
+}
+
+cv::Mat decode_image(const std::string& bytes, const std::string& what) {
+  const auto* p = reinterpret_cast<const unsigned char*>(bytes.data());
+  if (bytes.size() >= 3 && p[0] == 0xFF && p[1] == 0xD8 && p[2] == 0xFF) {
+    tjhandle h = tjInitDecompress();
+    int w = 0, hgt = 0, subsamp = 0, colorspace = 0;
+    if (tjDecompressHeader3(h, p, (unsigned long)bytes.size(), &w, &hgt, &subsamp, &colorspace) != 0 || w <= 0 ||
+        hgt <= 0) {
+      std::string err = tjGetErrorStr2(h);
+      tjDestroy(h);
+      throw DecodeError(fmt::format("cannot decode JPEG '{}': {}", what, err));
+    }
+    bool gray = colorspace == TJCS_GRAY;
+    cv::Mat out(hgt, w, gray ? CV_8UC1 : CV_8UC3);
+    int rc = tjDecompress2(h, p, (unsigned long)bytes.size(), out.data, w, 0, hgt, gray ? TJPF_GRAY : TJPF_RGB,
+                           TJFLAG_ACCURATEDCT);
+    // Warnings (e.g. a premature end of data) leave a partly grey image; treat them as corrupt
+    // input as PIL does for truncated files.
+    if (rc != 0) {
+      std::string err = tjGetErrorStr2(h);
+      tjDestroy(h);
+      throw DecodeError(fmt::format("cannot decode JPEG '{}': {}", what, err));
+    }
+    tjDestroy(h);
+    return out;
+  }
+#ifdef IMGTRAIN_WITH_IMGCODECS
+  cv::Mat raw;
+  try {
+    raw = cv::imdecode(cv::Mat(1, int(bytes.size()), CV_8UC1, const_cast<char*>(bytes.data())), cv::IMREAD_UNCHANGED);
+  } catch (const cv::Exception& e) {
+    throw DecodeError(fmt::format("cannot decode image '{}': {}", what, e.what()));
+  }
+  if (raw.empty()) throw DecodeError(fmt::format("cannot decode image '{}'", what));
+  if (raw.depth() == CV_16U) raw.convertTo(raw, CV_8U, 1.0 / 257.0);
+  if (raw.depth() != CV_8U) throw DecodeError(fmt::format("unsupported pixel depth in '{}'", what));
+  cv::Mat out;
+  switch (raw.channels()) {
+    case 1: out = raw; break;
+    case 3: cv::cvtColor(raw, out, cv::COLOR_BGR2RGB); break;
+    case 4: cv::cvtColor(raw, out, cv::COLOR_BGRA2RGB); break;  // alpha dropped, as PIL's convert('RGB')
+    default: throw DecodeError(fmt::format("unsupported channel count {} in '{}'", raw.channels(), what));
+  }
+  return out;
+#else
+  throw DecodeError(fmt::format("cannot decode '{}': only JPEG is supported in a build without imgcodecs", what));
+#endif
+}
+
+namespace {
+
+class FashionMnist : public Dataset {
+ public:
+  FashionMnist(const std::string& root, const std::string& split) {
+    std::string prefix;
+    if (split == "train" || split == "training")
+      prefix = "train";
+    else if (split == "validation" || split == "val" || split == "valid" || split == "test" || split == "eval" ||
+             split == "evaluation")
+      prefix = "t10k";
+    else
+      throw UserError(fmt::format("split '{}' of fashion-mnist: expected train or validation/test", split));
+    auto images = read_idx(root + "/" + prefix + "-images-idx3-ubyte.gz");
+    auto labels = read_idx(root + "/" + prefix + "-labels-idx1-ubyte.gz");
+    if (images.dims.size() != 3 || labels.dims.size() != 1 || images.dims[0] != labels.dims[0])
+      throw UserError(fmt::format("fashion-mnist in '{}': images {} and labels {} do not match", root,
+                                  fmt::join(images.dims, "x"), fmt::join(labels.dims, "x")));
+    n_ = size_t(images.dims[0]);
+    h_ = int(images.dims[1]);
+    w_ = int(images.dims[2]);
+    pixels_ = std::move(images.data);
+    labels_ = std::move(labels.data);
+    for (auto l : labels_)
+      if (l >= 10) throw UserError(fmt::format("fashion-mnist in '{}': label {} out of range 0..9", root, int(l)));
+  }
+  size_t size() const override { return n_; }
+  int64_t label(size_t i) const override { return labels_[i]; }
+  cv::Mat image(size_t i) const override {
+    return cv::Mat(h_, w_, CV_8UC1, const_cast<uint8_t*>(pixels_.data() + i * size_t(h_ * w_))).clone();
+  }
+  std::string describe(size_t i) const override { return fmt::format("fashion-mnist[{}]", i); }
+  int64_t num_classes() const override { return 10; }
+  std::vector<std::string> class_names() const override {
+    return {"T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"};
+  }
+
+ private:
+  size_t n_;
+  int h_, w_;
+  std::vector<uint8_t> pixels_, labels_;
+};
+
+bool is_image_file(const fs::path& p) {
+  std::string ext = p.extension().string();
+  std::transform(ext.begin(), ext.end(), ext.begin(), [](unsigned char c) { return std::tolower(c); });
+  return ext == ".jpg" || ext == ".jpeg" || ext == ".png" || ext == ".bmp" || ext == ".webp";
+}
+
+class ImageFolder : public Dataset {
+ public:
+  explicit ImageFolder(const std::string& folder) : folder_(folder) {
+    std::error_code ec;
+    if (!fs::is_directory(folder, ec)) throw UserError(fmt::format("data folder '{}' does not exist", folder));
+    for (auto& entry : fs::directory_iterator(folder, ec))
+      if (entry.is_directory()) classes_.push_back(entry.path().filename().string());
+    std::sort(classes_.begin(), classes_.end());
+    for (size_t c = 0; c < classes_.size(); ++c) {
+      std::vector<std::string> found;
+      auto opts = fs::directory_options::follow_directory_symlink | fs::directory_options::skip_permission_denied;
+      for (auto it = fs::recursive_directory_iterator(fs::path(folder) / classes_[c], opts, ec);
+           it != fs::recursive_directory_iterator(); it.increment(ec)) {
+        if (ec) break;
+        if (it->is_regular_file() && is_image_file(it->path())) found.push_back(it->path().string());
+      }
+      std::sort(found.begin(), found.end());
+      for (auto& f : found) samples_.emplace_back(std::move(f), int64_t(c));
+    }
+    if (samples_.empty())
+      throw UserError(fmt::format("no images (jpg, jpeg, png, bmp, webp) in class subfolders of '{}'", folder));
+  }
+  size_t size() const override { return samples_.size(); }
+  int64_t label(size_t i) const override { return samples_[i].second; }
+  cv::Mat image(size_t i) const override {
+    const auto& path = samples_[i].first;
+    std::ifstream f(path, std::ios::binary);
+    if (!f) throw DecodeError(fmt::format("cannot read '{}'", path));
+    std::stringstream ss;
+    ss << f.rdbuf();
+    return decode_image(ss.str(), path);
+  }
+  std::string describe(size_t i) const override { return samples_[i].first; }
+  int64_t num_classes() const override { return int64_t(classes_.size()); }
+  std::vector<std::string> class_names() const override { return classes_; }
+
+ private:
+  std::string folder_;
+  std::vector<std::string> classes_;
+  std::vector<std::pair<std::string, int64_t>> samples_;
+};
+
+}  // namespace
+
+std::string find_split_folder(const std::string& root, const std::string& split) {
+  static const std::vector<std::string> train_syn = {"train", "training"};
+  static const std::vector<std::string> eval_syn = {"val", "valid", "validation", "eval", "evaluation"};
+  std::error_code ec;
+  if (fs::exists(fs::path(root) / split, ec)) return (fs::path(root) / split).string();
+  const std::vector<std::string>* syn = nullptr;
+  if (std::find(train_syn.begin(), train_syn.end(), split) != train_syn.end()) syn = &train_syn;
+  if (std::find(eval_syn.begin(), eval_syn.end(), split) != eval_syn.end()) syn = &eval_syn;
+  if (syn)
+    for (auto& s : *syn)
+      if (fs::exists(fs::path(root) / s, ec)) return (fs::path(root) / s).string();
+  return root;
+}
+
+std::shared_ptr<Dataset> create_dataset(const std::string& kind, const std::string& root, const std::string& split) {
+  if (kind == "fashion-mnist") return std::make_shared<FashionMnist>(root.empty() ? kFashionMnistDir : root, split);
+  if (!kind.empty()) throw UserError(fmt::format("--dataset '{}': expected '' (ImageFolder) or fashion-mnist", kind));
+  if (root.empty()) throw UserError("--data-dir is required for an ImageFolder dataset (or use --dataset fashion-mnist)");
+  std::error_code ec;
+  if (!fs::is_directory(root, ec)) throw UserError(fmt::format("--data-dir '{}': no such folder", root));
+  return std::make_shared<ImageFolder>(find_split_folder(root, split));
+}
+
+}  // namespace imgtrain::data

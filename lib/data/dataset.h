@@ -1,0 +1,52 @@
+// Datasets: Fashion-MNIST from its IDX .gz files and ImageFolder (one class per subfolder).
+// A dataset hands out decoded 8-bit images (HWC, 1 or 3 channels, RGB order) and labels.
+#pragma once
+#include <opencv2/core.hpp>
+
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace imgtrain::data {
+
+// An image that cannot be read or decoded; the loader skips the sample and counts it.
+class DecodeError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+class Dataset {
+ public:
+  virtual ~Dataset() = default;
+  virtual size_t size() const = 0;
+  virtual int64_t label(size_t i) const = 0;
+  virtual cv::Mat image(size_t i) const = 0;  // throws DecodeError
+  virtual std::string describe(size_t i) const = 0;
+  virtual int64_t num_classes() const = 0;
+  virtual std::vector<std::string> class_names() const = 0;
+};
+
+// An IDX array (the MNIST container): dims then raw uint8 data. Throws UserError on a wrong magic
+// number, an unsupported element type or a truncated file.
+struct IdxArray {
+  std::vector<int64_t> dims;
+  std::vector<uint8_t> data;
+};
+IdxArray read_idx(const std::string& path);
+
+// Decodes JPEG (TurboJPEG), PNG, BMP, WebP (OpenCV) bytes into RGB or grayscale 8-bit.
+cv::Mat decode_image(const std::string& bytes, const std::string& what);
+
+// The default location of Debian's dataset-fashion-mnist package.
+inline const char* kFashionMnistDir = "/usr/share/datasets/fashion-mnist";
+
+// kind: "" (ImageFolder) or "fashion-mnist". split: timm's split name (folder synonyms apply).
+std::shared_ptr<Dataset> create_dataset(const std::string& kind, const std::string& root, const std::string& split);
+
+// timm's split-folder search: `split` itself, else its synonyms (train/training,
+// val/valid/validation/eval/evaluation), else the root.
+std::string find_split_folder(const std::string& root, const std::string& split);
+
+}  // namespace imgtrain::data

@@ -1,0 +1,134 @@
+#include "data/loader.h"
+
+#include "core/log.h"
+#include "core/rng.h"
+
+#include <torch/torch.h>
+
+namespace imgtrain::data {
+
+Loader::Loader(std::shared_ptr<Dataset> ds, TransformConfig tc, LoaderOptions opt)
+    : ds_(std::move(ds)), tc_(std::move(tc)), opt_(opt) {
+  size_t n = ds_->size();
+  size_t b = size_t(opt_.batch_size);
+  num_batches_ = opt_.drop_last ? n / b : (n + b - 1) / b;
+  if (opt_.pin_memory && !torch::cuda::is_available()) opt_.pin_memory = false;
+}
+
+Loader::~Loader() { stop_workers(); }
+
+void Loader::stop_workers() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    stopping_ = true;
+  }
+  cv_work_.notify_all();
+  for (auto& t : threads_) t.join();
+  threads_.clear();
+}
+
+void Loader::start_epoch(int64_t epoch) {
+  stop_workers();
+  epoch_ = epoch;
+  const int64_t n = int64_t(ds_->size());
+  if (opt_.shuffle) {
+    // torch.utils.data.DistributedSampler: g.manual_seed(seed + epoch); randperm(n, generator=g)
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(opt_.seed + uint64_t(epoch));
+    auto perm = at::randperm(n, gen, at::TensorOptions().dtype(at::kLong));
+    order_.assign(perm.data_ptr<int64_t>(), perm.data_ptr<int64_t>() + n);
+  } else {
+    order_.resize(size_t(n));
+    for (int64_t i = 0; i < n; ++i) order_[size_t(i)] = i;
+  }
+  next_batch_ = 0;
+  next_to_make_ = 0;
+  skipped_epoch_ = 0;
+  ready_.clear();
+  worker_error_.reset();
+  stopping_ = false;
+  for (int64_t t = 0; t < opt_.workers; ++t) threads_.emplace_back([this] { worker_loop(); });
+}
+
+void Loader::worker_loop() {
+  const size_t window = size_t(std::max<int64_t>(1, opt_.workers * opt_.prefetch_per_worker));
+  for (;;) {
+    size_t b;
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      cv_work_.wait(lk, [&] { return stopping_ || (next_to_make_ < num_batches_ && next_to_make_ < next_batch_ + window); });
+      if (stopping_) return;
+      b = next_to_make_++;
+    }
+    Batch batch;
+    std::optional<std::string> err;
+    try {
+      batch = make_batch(b);
+    } catch (const std::exception& e) {
+      err = e.what();
+    }
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (err && !worker_error_) worker_error_ = err;
+      ready_[b] = std::move(batch);
+    }
+    cv_done_.notify_all();
+  }
+}
+
+Batch Loader::make_batch(size_t b) {
+  const size_t bs = size_t(opt_.batch_size);
+  const size_t begin = b * bs, end = std::min(order_.size(), begin + bs);
+  const int64_t count = int64_t(end - begin);
+  auto opts = at::TensorOptions().dtype(at::kByte).pinned_memory(opt_.pin_memory);
+  Batch out;
+  out.images = at::empty({count, tc_.size, tc_.size, tc_.channels}, opts);
+  out.labels = at::empty({count}, at::TensorOptions().dtype(at::kLong));
+  auto* dst = out.images.data_ptr<uint8_t>();
+  auto* lab = out.labels.data_ptr<int64_t>();
+  const size_t row = size_t(tc_.size) * tc_.size * tc_.channels;
+  int64_t filled = 0;
+  for (size_t k = begin; k < end; ++k) {
+    const size_t idx = size_t(order_[k]);
+    auto rng = sample_rng(opt_.seed, uint64_t(epoch_), idx);
+    cv::Mat img;
+    try {
+      img = apply_transform(ds_->image(idx), tc_, rng);
+    } catch (const DecodeError& e) {
+      std::lock_guard<std::mutex> lk(warn_mu_);
+      if (warned_.insert(idx).second) log::warn("skipping unreadable image: {}", e.what());
+      ++out.skipped;
+      continue;
+    }
+    std::memcpy(dst + size_t(filled) * row, img.data, row);
+    lab[filled++] = ds_->label(idx);
+  }
+  if (filled < count) {
+    out.images = out.images.narrow(0, 0, filled);
+    out.labels = out.labels.narrow(0, 0, filled);
+  }
+  return out;
+}
+
+std::optional<Batch> Loader::next() {
+  if (next_batch_ >= num_batches_) return std::nullopt;
+  Batch b;
+  if (threads_.empty()) {
+    b = make_batch(next_batch_);
+  } else {
+    std::unique_lock<std::mutex> lk(mu_);
+    cv_done_.wait(lk, [&] { return ready_.count(next_batch_) > 0; });
+    if (worker_error_) throw std::runtime_error("data loader: " + *worker_error_);
+    b = std::move(ready_[next_batch_]);
+    ready_.erase(next_batch_);
+    ++next_batch_;
+    lk.unlock();
+    cv_work_.notify_all();
+    skipped_epoch_ += b.skipped;
+    return b;
+  }
+  ++next_batch_;
+  skipped_epoch_ += b.skipped;
+  return b;
+}
+
+}  // namespace imgtrain::data

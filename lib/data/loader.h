@@ -1,0 +1,78 @@
+// A multi-threaded loader: -j threads decode and augment whole batches ahead of the consumer,
+// delivered in order. Batches are uint8 NHWC; normalisation happens on the training device.
+// Each sample's augmentation randomness comes from (seed, epoch, index), so batches are the same
+// for any thread count. Unreadable images are skipped, warned once by name and counted.
+#pragma once
+#include "data/dataset.h"
+#include "data/transforms.h"
+
+#include <ATen/core/Tensor.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <thread>
+
+namespace imgtrain::data {
+
+struct Batch {
+  at::Tensor images;  // uint8 [B, H, W, C]
+  at::Tensor labels;  // int64 [B]
+  int64_t skipped = 0;
+};
+
+struct LoaderOptions {
+  int64_t batch_size = 128;
+  bool shuffle = false;
+  bool drop_last = false;
+  int64_t workers = 4;
+  uint64_t seed = 42;
+  bool pin_memory = false;
+  int64_t prefetch_per_worker = 2;
+};
+
+class Loader {
+ public:
+  Loader(std::shared_ptr<Dataset> ds, TransformConfig tc, LoaderOptions opt);
+  ~Loader();
+  Loader(const Loader&) = delete;
+  Loader& operator=(const Loader&) = delete;
+
+  // Fixes the epoch's sample order (torch's randperm seeded with seed + epoch when shuffling).
+  void start_epoch(int64_t epoch);
+  // The next batch of this epoch in order, or nullopt at the end.
+  std::optional<Batch> next();
+  size_t num_batches() const { return num_batches_; }
+  const Dataset& dataset() const { return *ds_; }
+  int64_t skipped_this_epoch() const { return skipped_epoch_; }
+  const std::vector<int64_t>& order() const { return order_; }
+
+ private:
+  Batch make_batch(size_t b);
+  void stop_workers();
+  void worker_loop();
+
+  std::shared_ptr<Dataset> ds_;
+  TransformConfig tc_;
+  LoaderOptions opt_;
+  size_t num_batches_ = 0;
+  int64_t epoch_ = 0;
+  std::vector<int64_t> order_;
+  size_t next_batch_ = 0;  // consumer position
+  int64_t skipped_epoch_ = 0;
+
+  std::mutex mu_;
+  std::condition_variable cv_work_, cv_done_;
+  std::map<size_t, Batch> ready_;
+  std::optional<std::string> worker_error_;
+  size_t next_to_make_ = 0;
+  bool stopping_ = false;
+  std::vector<std::thread> threads_;
+  std::mutex warn_mu_;
+  std::set<size_t> warned_;
+};
+
+}  // namespace imgtrain::data

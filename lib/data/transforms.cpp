@@ -1,0 +1,116 @@
+#include "data/transforms.h"
+
+#include "core/rng.h"
+
+#include <opencv2/imgproc.hpp>
+
+#include <cmath>
+
+namespace imgtrain::data {
+
+CropBox random_resized_crop_box(int height, int width, const std::vector<double>& scale,
+                                const std::vector<double>& ratio, std::mt19937_64& rng) {
+  const double area = double(height) * width;
+  const double log_r0 = std::log(ratio[0]), log_r1 = std::log(ratio[1]);
+  for (int attempt = 0; attempt < 10; ++attempt) {
+    double target_area = uniform(rng, scale[0], scale[1]) * area;
+    double aspect = std::exp(uniform(rng, log_r0, log_r1));
+    int w = int(std::nearbyint(std::sqrt(target_area * aspect)));
+    int h = int(std::nearbyint(std::sqrt(target_area / aspect)));
+    if (w > 0 && h > 0 && w <= width && h <= height) {
+      int top = int(randint(rng, 0, height - h));
+      int left = int(randint(rng, 0, width - w));
+      return {top, left, h, w};
+    }
+  }
+  double in_ratio = double(width) / height;
+  int w, h;
+  if (in_ratio < std::min(ratio[0], ratio[1])) {
+    w = width;
+    h = int(std::nearbyint(w / std::min(ratio[0], ratio[1])));
+  } else if (in_ratio > std::max(ratio[0], ratio[1])) {
+    h = height;
+    w = int(std::nearbyint(h * std::max(ratio[0], ratio[1])));
+  } else {
+    w = width;
+    h = height;
+  }
+  return {(height - h) / 2, (width - w) / 2, h, w};
+}
+
+namespace {
+
+// cv::resize's bilinear/bicubic do not low-pass when shrinking (PIL's do); area averaging stands
+// in for them from a 2x shrink on, where aliasing would otherwise show.
+int cv_interp(const std::string& name, cv::Size from, cv::Size to) {
+  if (to.width * 2 <= from.width && to.height * 2 <= from.height) return cv::INTER_AREA;
+  return name == "bicubic" ? cv::INTER_CUBIC : cv::INTER_LINEAR;
+}
+
+cv::Mat resize_to(const cv::Mat& src, cv::Size to, const std::string& interp) {
+  if (src.size() == to) return src;
+  cv::Mat out;
+  cv::resize(src, out, to, 0, 0, cv_interp(interp, src.size(), to));
+  return out;
+}
+
+cv::Mat to_channels(const cv::Mat& img, int channels) {
+  if (img.channels() == channels) return img;
+  cv::Mat out;
+  if (channels == 3 && img.channels() == 1) cv::cvtColor(img, out, cv::COLOR_GRAY2RGB);
+  else if (channels == 1 && img.channels() == 3) cv::cvtColor(img, out, cv::COLOR_RGB2GRAY);
+  else throw std::invalid_argument("cannot convert an image to the requested channel count");
+  return out;
+}
+
+// Resize the shorter side to `size` keeping the aspect ratio (torchvision Resize(int)), then
+// center crop `crop` x `crop`.
+cv::Mat resize_center_crop(const cv::Mat& img, int size, int crop, const std::string& interp) {
+  int h = img.rows, w = img.cols;
+  int nh, nw;
+  if (w <= h) {
+    nw = size;
+    nh = int(int64_t(size) * h / w);
+  } else {
+    nh = size;
+    nw = int(int64_t(size) * w / h);
+  }
+  cv::Mat r = resize_to(img, {nw, nh}, interp);
+  if (crop > nh || crop > nw) {  // torchvision pads; only reachable for crop_pct > 1
+    cv::Mat padded;
+    int pt = std::max(0, (crop - nh) / 2), pl = std::max(0, (crop - nw) / 2);
+    cv::copyMakeBorder(r, padded, pt, std::max(0, crop - nh - pt), pl, std::max(0, crop - nw - pl),
+                       cv::BORDER_CONSTANT, cv::Scalar::all(0));
+    r = padded;
+    nh = r.rows, nw = r.cols;
+  }
+  int top = int(std::nearbyint((nh - crop) / 2.0)), left = int(std::nearbyint((nw - crop) / 2.0));
+  return r(cv::Rect(left, top, crop, crop));
+}
+
+}  // namespace
+
+cv::Mat apply_transform(const cv::Mat& in, const TransformConfig& tc, std::mt19937_64& rng) {
+  cv::Mat img = to_channels(in, tc.channels);
+  cv::Mat out;
+  if (!tc.train) {
+    int scale_size = int(std::floor(tc.size / tc.crop_pct));
+    out = resize_center_crop(img, scale_size, tc.size, tc.interpolation);
+  } else if (tc.no_aug) {
+    out = resize_center_crop(img, tc.size, tc.size, tc.interpolation == "random" ? "bilinear" : tc.interpolation);
+  } else {
+    CropBox box = random_resized_crop_box(img.rows, img.cols, tc.scale, tc.ratio, rng);
+    std::string interp = tc.interpolation;
+    if (interp == "random") interp = uniform(rng, 0, 1) < 0.5 ? "bilinear" : "bicubic";
+    out = resize_to(img(cv::Rect(box.left, box.top, box.width, box.height)), {tc.size, tc.size}, interp);
+    if (tc.hflip > 0 && uniform(rng, 0, 1) < tc.hflip) {
+      cv::Mat flipped;
+      cv::flip(out, flipped, 1);
+      out = flipped;
+    }
+  }
+  if (!out.isContinuous()) out = out.clone();
+  return out;
+}
+
+}  // namespace imgtrain::data

@@ -1,0 +1,457 @@
+#include "engine/trainer.h"
+
+#include "core/error.h"
+#include "core/log.h"
+#include "data/loader.h"
+#include "engine/checkpoint.h"
+#include "model_zoo/registry.h"
+#include "optim/optim.h"
+
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cmath>
+#include <ctime>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+namespace fs = std::filesystem;
+
+namespace imgtrain::engine {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+struct AverageMeter {
+  double val = 0, sum = 0;
+  int64_t count = 0;
+  void update(double v, int64_t n = 1) {
+    val = v;
+    sum += v * double(n);
+    count += n;
+  }
+  double avg() const { return count ? sum / double(count) : 0.0; }
+};
+
+torch::Device resolve_device(const std::string& d) {
+  if (d == "auto") return torch::cuda::is_available() ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU);
+  if (d == "cpu") return torch::kCPU;
+  if (!torch::cuda::is_available())
+    throw UserError(fmt::format("--device '{}': no CUDA device is available here (use --device cpu)", d));
+  int idx = d == "cuda" ? 0 : std::stoi(d.substr(5));
+  if (idx >= int(torch::cuda::device_count()))
+    throw UserError(fmt::format("--device '{}': only {} CUDA device(s) present", d, torch::cuda::device_count()));
+  return torch::Device(torch::kCUDA, c10::DeviceIndex(idx));
+}
+
+// What the model's default config and the flags decide about inputs (timm resolve_data_config).
+struct DataConfig {
+  int64_t in_chans = 3;
+  int64_t img_size = 224;
+  double crop_pct = 0.875;
+  std::string interpolation = "bilinear";
+  std::vector<double> mean, std;
+};
+
+DataConfig resolve_data_config(const cli::Config& c, const ModelDefaults& d) {
+  DataConfig dc;
+  dc.in_chans = c.in_chans.value_or(3);
+  dc.img_size = c.img_size.value_or(d.input_size[2]);
+  dc.crop_pct = c.crop_pct.value_or(d.crop_pct);
+  dc.interpolation = c.interpolation.empty() ? d.interpolation : c.interpolation;
+  if (dc.in_chans == 3) {
+    dc.mean.assign(d.mean.begin(), d.mean.end());
+    dc.std.assign(d.std.begin(), d.std.end());
+  } else {
+    // Single-channel (and other) inputs: the average of the RGB statistics for every channel.
+    double m = (d.mean[0] + d.mean[1] + d.mean[2]) / 3, s = (d.std[0] + d.std[1] + d.std[2]) / 3;
+    dc.mean.assign(size_t(dc.in_chans), m);
+    dc.std.assign(size_t(dc.in_chans), s);
+  }
+  return dc;
+}
+
+// timm's prefetcher does this on the device: uint8 NHWC -> float NCHW, (x - 255 mean) / (255 std).
+struct Normalizer {
+  at::Tensor mean, std;
+  Normalizer(const DataConfig& dc, torch::Device dev) {
+    auto o = torch::TensorOptions().dtype(torch::kFloat32);
+    mean = (torch::tensor(dc.mean, o) * 255).view({1, -1, 1, 1}).to(dev);
+    std = (torch::tensor(dc.std, o) * 255).view({1, -1, 1, 1}).to(dev);
+  }
+  at::Tensor operator()(const at::Tensor& nhwc_u8, torch::Device dev) const {
+    auto x = nhwc_u8.to(dev, /*non_blocking=*/true).permute({0, 3, 1, 2}).to(torch::kFloat32).contiguous();
+    return x.sub_(mean).div_(std);
+  }
+};
+
+struct EvalMetrics {
+  double loss = 0, top1 = 0, top5 = 0;
+  int64_t count = 0;
+};
+
+// Percent of rows whose target is within the top-k predictions, for each k.
+std::vector<double> accuracy(const at::Tensor& out, const at::Tensor& target, const std::vector<int64_t>& ks) {
+  int64_t maxk = std::min<int64_t>(*std::max_element(ks.begin(), ks.end()), out.size(1));
+  auto pred = std::get<1>(out.topk(maxk, 1, true, true)).t();
+  auto correct = pred.eq(target.view({1, -1}).expand_as(pred));
+  std::vector<double> res;
+  for (auto k : ks) {
+    k = std::min(k, maxk);
+    res.push_back(correct.narrow(0, 0, k).reshape(-1).to(torch::kFloat32).sum().item<double>() * 100.0 /
+                  double(out.size(0)));
+  }
+  return res;
+}
+
+EvalMetrics evaluate(ClassifierImpl& model, data::Loader& loader, const Normalizer& norm, torch::Device dev,
+                     int64_t log_interval, bool validate_style) {
+  torch::NoGradGuard ng;
+  model.eval();
+  AverageMeter batch_time, losses, top1, top5;
+  loader.start_epoch(0);
+  const int64_t last_idx = int64_t(loader.num_batches()) - 1;
+  auto end = Clock::now();
+  int64_t batch_idx = 0;
+  while (auto b = loader.next()) {
+    if (b->labels.size(0) == 0) {
+      ++batch_idx;
+      continue;
+    }
+    auto x = norm(b->images, dev);
+    auto y = b->labels.to(dev);
+    auto out = model.forward(x);
+    auto loss = torch::nn::functional::cross_entropy(out, y);
+    auto acc = accuracy(out, y, {1, 5});
+    int64_t n = x.size(0);
+    losses.update(loss.item<double>(), n);
+    top1.update(acc[0], n);
+    top5.update(acc[1], n);
+    batch_time.update(seconds_since(end));
+    end = Clock::now();
+    if (batch_idx == last_idx || batch_idx % log_interval == 0) {
+      if (validate_style)
+        log::info("Test: [{:>4d}/{}]  Time: {:.3f}s ({:.3f}s, {:>7.2f}/s)  Loss: {:>7.4f} ({:>6.4f})  "
+                  "Acc@1: {:>7.3f} ({:>7.3f})  Acc@5: {:>7.3f} ({:>7.3f})",
+                  batch_idx, loader.num_batches(), batch_time.val, batch_time.avg(),
+                  double(n) / std::max(batch_time.avg(), 1e-9), losses.val, losses.avg(), top1.val, top1.avg(),
+                  top5.val, top5.avg());
+      else
+        log::info("Test: [{:>4d}/{}]  Time: {:.3f} ({:.3f})  Loss: {:>7.3f} ({:>6.3f})  "
+                  "Acc@1: {:>7.3f} ({:>7.3f})  Acc@5: {:>7.3f} ({:>7.3f})",
+                  batch_idx, last_idx, batch_time.val, batch_time.avg(), losses.val, losses.avg(), top1.val,
+                  top1.avg(), top5.val, top5.avg());
+    }
+    ++batch_idx;
+  }
+  if (loader.skipped_this_epoch())
+    log::warn("evaluation skipped {} unreadable image(s)", loader.skipped_this_epoch());
+  return {losses.avg(), top1.avg(), top5.avg(), losses.count};
+}
+
+std::string now_stamp() {
+  std::time_t t = std::time(nullptr);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y%m%d-%H%M%S", std::localtime(&t));
+  return buf;
+}
+
+void check_labels(const data::Dataset& ds, int64_t num_classes, const std::string& what) {
+  if (ds.num_classes() > num_classes)
+    throw UserError(fmt::format("--num-classes {}: the {} split has {} classes", num_classes, what, ds.num_classes()));
+}
+
+}  // namespace
+
+int train(const cli::Config& cfg) {
+  torch::manual_seed(uint64_t(cfg.seed));
+  const auto device = resolve_device(cfg.device);
+  const auto& defaults = model_zoo::model_defaults(cfg.model);  // unknown model fails before data loading
+  const DataConfig dc = resolve_data_config(cfg, defaults);
+
+  auto train_ds = data::create_dataset(cfg.dataset, cfg.data_dir, cfg.train_split);
+  auto eval_ds = data::create_dataset(cfg.dataset, cfg.data_dir, cfg.val_split);
+  const int64_t num_classes = cfg.num_classes.value_or(train_ds->num_classes());
+  check_labels(*train_ds, num_classes, "train");
+  check_labels(*eval_ds, num_classes, "validation");
+  if (int64_t(train_ds->size()) < cfg.batch_size)
+    throw UserError(fmt::format("--batch-size {}: the train split has only {} images (batches drop the remainder)",
+                                cfg.batch_size, train_ds->size()));
+
+  ModelArgs margs;
+  margs.num_classes = num_classes;
+  margs.in_chans = dc.in_chans;
+  margs.drop_rate = cfg.drop;
+  margs.drop_path_rate = cfg.drop_path.value_or(0.0);
+  auto model = model_zoo::create_model(cfg.model, margs);
+  log::info("Model {} created, param count:{}", cfg.model, model_zoo::count_params(*model));
+
+  if (!cfg.initial_checkpoint.empty()) {
+    auto st = io::load_safetensors(cfg.initial_checkpoint);
+    load_state_dict(*model, st, weights_prefix(st, true), cfg.initial_checkpoint);
+    log::info("Loaded weights from '{}'", cfg.initial_checkpoint);
+  }
+  model->to(device);
+
+  data::TransformConfig train_tc;
+  train_tc.train = true;
+  train_tc.no_aug = cfg.no_aug;
+  train_tc.size = int(dc.img_size);
+  train_tc.channels = int(dc.in_chans);
+  train_tc.scale = cfg.scale;
+  train_tc.ratio = cfg.ratio;
+  train_tc.hflip = cfg.hflip;
+  train_tc.interpolation = cfg.train_interpolation;
+  data::TransformConfig eval_tc = train_tc;
+  eval_tc.train = false;
+  eval_tc.crop_pct = dc.crop_pct;
+  eval_tc.interpolation = dc.interpolation;
+
+  data::LoaderOptions lo;
+  lo.batch_size = cfg.batch_size;
+  lo.shuffle = true;
+  lo.drop_last = true;
+  lo.workers = cfg.workers;
+  lo.seed = uint64_t(cfg.seed);
+  lo.pin_memory = cfg.pin_mem && device.is_cuda();
+  data::Loader train_loader(train_ds, train_tc, lo);
+  data::LoaderOptions elo = lo;
+  elo.batch_size = cfg.validation_batch_size.value_or(cfg.batch_size);
+  elo.shuffle = false;
+  elo.drop_last = false;
+  data::Loader eval_loader(eval_ds, eval_tc, elo);
+  const Normalizer norm(dc, device);
+
+  // timm: lr unset -> lr_base scaled by the global batch size.
+  double lr;
+  if (cfg.lr) {
+    lr = *cfg.lr;
+  } else {
+    const int64_t global_batch = cfg.batch_size;  // x world size x accumulation, once those exist
+    std::string how;
+    lr = optim::scaled_lr(cfg.lr_base, cfg.lr_base_size, cfg.lr_base_scale, cfg.opt, global_batch, &how);
+    log::info("Learning rate ({}) calculated from base learning rate ({}) and effective global batch size ({}) "
+              "with {} scaling.",
+              lr, cfg.lr_base, global_batch, how);
+  }
+  optim::OptimizerArgs oa;
+  oa.opt = cfg.opt;
+  oa.lr = lr;
+  oa.weight_decay = cfg.weight_decay;
+  oa.momentum = cfg.momentum;
+  std::vector<std::pair<std::string, at::Tensor>> named;
+  for (auto& p : model->named_parameters()) named.emplace_back(p.key(), p.value());
+  auto optimizer = optim::create_optimizer(oa, named);
+  optim::SchedulerArgs sa;
+  sa.sched = cfg.sched;
+  sa.base_lr = lr;
+  sa.epochs = cfg.epochs;
+  sa.warmup_epochs = cfg.warmup_epochs;
+  sa.warmup_lr = cfg.warmup_lr;
+  sa.min_lr = cfg.min_lr;
+  sa.decay_epochs = cfg.decay_epochs;
+  sa.decay_rate = cfg.decay_rate;
+  const optim::Scheduler scheduler(sa);
+
+  // Output folder, args.yaml, log.
+  const std::string exp = !cfg.experiment.empty()
+                              ? cfg.experiment
+                              : fmt::format("{}-{}-{}", now_stamp(), cfg.model, dc.img_size);
+  const std::string out_dir = (fs::path(cfg.output.empty() ? "./output/train" : cfg.output) / exp).string();
+  std::error_code ec;
+  fs::create_directories(out_dir, ec);
+  if (ec) throw UserError(fmt::format("--output '{}': cannot create the folder ({})", out_dir, ec.message()));
+  const std::string args_yaml = cli::to_yaml(cli::Command::Train, cfg);
+  {
+    std::ofstream f(out_dir + "/args.yaml");
+    f << args_yaml;
+    if (!f) throw UserError(fmt::format("cannot write '{}/args.yaml'", out_dir));
+  }
+  log::set_file(out_dir + "/log.txt");
+
+  const bool decreasing = cfg.eval_metric == "loss";
+  CheckpointSaver saver(out_dir, cfg.checkpoint_hist, decreasing);
+  int64_t start_epoch = 0, num_updates = 0;
+  if (!cfg.resume.empty()) {
+    auto st = io::load_safetensors(cfg.resume);
+    auto meta = [&](const std::string& k) -> std::string {
+      auto it = st.metadata.find(k);
+      if (it == st.metadata.end())
+        throw UserError(fmt::format("--resume '{}': not an imgtrain training checkpoint (no '{}')", cfg.resume, k));
+      return it->second;
+    };
+    if (meta("arch") != cfg.model)
+      throw UserError(fmt::format("--resume '{}': checkpoint is a {}, but --model is {}", cfg.resume, meta("arch"),
+                                  cfg.model));
+    load_state_dict(*model, st, "model.", cfg.resume);
+    if (!cfg.no_resume_opt) {
+      std::map<std::string, at::Tensor> ost;
+      for (auto& [k, v] : st.tensors)
+        if (k.rfind("optim.", 0) == 0) ost[k.substr(6)] = v;
+      optimizer->load_state(ost);
+    }
+    if (auto* rng = st.find("rng.cpu")) { auto g = at::detail::getDefaultCPUGenerator(); g.set_state(*rng); }
+    start_epoch = std::stoll(meta("epoch")) + 1;
+    num_updates = std::stoll(meta("num_updates"));
+    if (st.metadata.count("best_metric")) {
+      saver.best_metric = std::stod(st.metadata["best_metric"]);
+      saver.best_epoch = std::stoll(st.metadata["best_epoch"]);
+    }
+    log::info("Resumed from checkpoint '{}' (epoch {})", cfg.resume, start_epoch - 1);
+  }
+  if (cfg.start_epoch) start_epoch = *cfg.start_epoch;
+  log::info("Scheduled epochs: {}. LR stepped per epoch.", cfg.epochs);
+
+  const int64_t updates_per_epoch = int64_t(train_loader.num_batches());
+  EvalMetrics last_eval;
+  for (int64_t epoch = start_epoch; epoch < cfg.epochs; ++epoch) {
+    optimizer->set_lr(scheduler.lr_at(epoch));
+    model->train();
+    train_loader.start_epoch(epoch);
+    AverageMeter update_time, data_time, losses;
+    auto data_start = Clock::now(), update_start = Clock::now();
+    int64_t update_idx = 0;
+    while (auto b = train_loader.next()) {
+      data_time.update(seconds_since(data_start));
+      if (b->labels.size(0) == 0) {  // every image of the batch was unreadable
+        ++update_idx;
+        data_start = Clock::now();
+        continue;
+      }
+      auto x = norm(b->images, device);
+      auto y = b->labels.to(device);
+      auto out = model->forward(x);
+      auto loss = torch::nn::functional::cross_entropy(
+          out, y, torch::nn::functional::CrossEntropyFuncOptions().label_smoothing(cfg.smoothing));
+      optimizer->zero_grad();
+      loss.backward();
+      optimizer->step();
+      ++num_updates;
+      const double loss_v = loss.item<double>();
+      if (!std::isfinite(loss_v))
+        throw UserError(fmt::format("training diverged: loss is {} at epoch {} update {} (lower --lr?)", loss_v,
+                                    epoch, update_idx));
+      losses.update(loss_v, x.size(0));
+      update_time.update(seconds_since(update_start));
+      update_start = Clock::now();
+      const bool last = update_idx == updates_per_epoch - 1;
+      if (last || update_idx % cfg.log_interval == 0) {
+        log::info("Train: {} [{:>4d}/{} ({:>3.0f}%)]  Loss: {:#.3g} ({:#.3g})  Time: {:.3f}s, {:>7.2f}/s  "
+                  "({:.3f}s, {:>7.2f}/s)  LR: {:.3e}  Data: {:.3f} ({:.3f})",
+                  epoch, update_idx, updates_per_epoch, 100.0 * double(update_idx + 1) / double(updates_per_epoch),
+                  losses.val, losses.avg(), update_time.val, double(x.size(0)) / update_time.val, update_time.avg(),
+                  double(x.size(0)) / update_time.avg(), optimizer->mean_lr(), data_time.val, data_time.avg());
+      }
+      ++update_idx;
+      data_start = Clock::now();
+    }
+    if (train_loader.skipped_this_epoch())
+      log::warn("epoch {}: skipped {} unreadable image(s) in training", epoch, train_loader.skipped_this_epoch());
+
+    last_eval = evaluate(*model, eval_loader, norm, device, cfg.log_interval, false);
+    const double metric = cfg.eval_metric == "top5" ? last_eval.top5 : cfg.eval_metric == "loss" ? last_eval.loss : last_eval.top1;
+
+    // summary.csv with timm's columns.
+    const std::string summary = out_dir + "/summary.csv";
+    const bool header = !fs::exists(summary);
+    {
+      std::ofstream f(summary, std::ios::app);
+      if (header) f << "epoch,train_loss,eval_loss,eval_top1,eval_top5,lr\n";
+      f << fmt::format("{},{},{},{},{},{}\n", epoch, losses.avg(), last_eval.loss, last_eval.top1, last_eval.top5,
+                       optimizer->mean_lr());
+    }
+
+    const bool new_best = !saver.best_metric || saver.better(metric, *saver.best_metric);
+    const double best_metric = new_best ? metric : *saver.best_metric;
+    const int64_t best_epoch = new_best ? epoch : saver.best_epoch;
+    saver.save(epoch, metric, [&](const std::string& path) {
+      std::vector<std::pair<std::string, at::Tensor>> tensors;
+      for (auto& [k, v] : state_dict(*model)) tensors.emplace_back("model." + k, v);
+      for (auto& [k, v] : optimizer->state()) tensors.emplace_back("optim." + k, v);
+      tensors.emplace_back("rng.cpu", at::detail::getDefaultCPUGenerator().get_state());
+      std::map<std::string, std::string> md{{"epoch", std::to_string(epoch)},
+                                            {"arch", cfg.model},
+                                            {"args", args_yaml},
+                                            {"metric", fmt::format("{}", metric)},
+                                            {"best_metric", fmt::format("{}", best_metric)},
+                                            {"best_epoch", std::to_string(best_epoch)},
+                                            {"num_updates", std::to_string(num_updates)},
+                                            {"num_classes", std::to_string(num_classes)},
+                                            {"in_chans", std::to_string(dc.in_chans)},
+                                            {"img_size", std::to_string(dc.img_size)},
+                                            {"version", "2"}};
+      io::save_safetensors(path, tensors, md);
+    });
+  }
+  if (saver.best_metric) log::info("*** Best metric: {} (epoch {})", *saver.best_metric, saver.best_epoch);
+  if (last_eval.count)
+    log::info("Final test accuracy: {:.4f} (top-1 of the last epoch on {} images)", last_eval.top1 / 100.0,
+              last_eval.count);
+  log::set_file("");
+  return 0;
+}
+
+int validate(const cli::Config& cfg) {
+  if (cfg.checkpoint.empty()) throw UserError("--checkpoint is required for validate");
+  const auto device = resolve_device(cfg.device);
+  auto st = io::load_safetensors(cfg.checkpoint);
+  auto meta_int = [&](const char* k) -> std::optional<int64_t> {
+    auto it = st.metadata.find(k);
+    if (it == st.metadata.end()) return std::nullopt;
+    return std::stoll(it->second);
+  };
+  std::string arch = cfg.model;
+  if (auto it = st.metadata.find("arch"); it != st.metadata.end() && cfg.model == cli::Config{}.model)
+    arch = it->second;  // --model left at its default: take the checkpoint's
+  const auto& defaults = model_zoo::model_defaults(arch);
+  cli::Config c = cfg;
+  if (!c.in_chans) c.in_chans = meta_int("in_chans");
+  if (!c.img_size) c.img_size = meta_int("img_size");
+  const DataConfig dc = resolve_data_config(c, defaults);
+  auto ds = data::create_dataset(cfg.dataset, cfg.data_dir, cfg.split);
+  const int64_t num_classes = cfg.num_classes.value_or(meta_int("num_classes").value_or(ds->num_classes()));
+  check_labels(*ds, num_classes, cfg.split);
+
+  ModelArgs margs;
+  margs.num_classes = num_classes;
+  margs.in_chans = dc.in_chans;
+  auto model = model_zoo::create_model(arch, margs);
+  load_state_dict(*model, st, weights_prefix(st, cfg.use_ema), cfg.checkpoint);
+  model->to(device);
+  const int64_t params = model_zoo::count_params(*model);
+  log::info("Model {} created, param count: {}", arch, params);
+
+  data::TransformConfig tc;
+  tc.size = int(dc.img_size);
+  tc.channels = int(dc.in_chans);
+  tc.crop_pct = dc.crop_pct;
+  tc.interpolation = dc.interpolation;
+  data::LoaderOptions lo;
+  lo.batch_size = cfg.batch_size;
+  lo.workers = cfg.workers;
+  lo.pin_memory = cfg.pin_mem && device.is_cuda();
+  data::Loader loader(ds, tc, lo);
+  auto m = evaluate(*model, loader, Normalizer(dc, device), device, cfg.log_interval, true);
+  log::info(" * Acc@1 {:.3f} ({:.3f}) Acc@5 {:.3f} ({:.3f})", m.top1, 100 - m.top1, m.top5, 100 - m.top5);
+
+  auto round_to = [](double v, int digits) {
+    double s = std::pow(10.0, digits);
+    return std::nearbyint(v * s) / s;
+  };
+  nlohmann::ordered_json r;
+  r["model"] = arch;
+  r["top1"] = round_to(m.top1, 4);
+  r["top1_err"] = round_to(100 - m.top1, 4);
+  r["top5"] = round_to(m.top5, 4);
+  r["top5_err"] = round_to(100 - m.top5, 4);
+  r["param_count"] = round_to(double(params) / 1e6, 2);
+  r["img_size"] = dc.img_size;
+  r["crop_pct"] = dc.crop_pct;
+  r["interpolation"] = dc.interpolation;
+  std::printf("--result\n%s\n", r.dump(4).c_str());
+  return 0;
+}
+
+}  // namespace imgtrain::engine

@@ -1,0 +1,80 @@
+// Optimizers and learning-rate schedules with timm's semantics.
+// Optimizers keep their state by parameter name so checkpoints store it as named tensors.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace imgtrain::optim {
+
+struct ParamGroup {
+  std::vector<std::string> names;
+  std::vector<at::Tensor> params;
+  double weight_decay = 0.0;
+  double lr = 0.0;
+};
+
+// timm's param_groups_weight_decay: no decay for 1-D parameters (norm weights, biases) and for
+// names ending in ".bias"; returns [no_decay, decay] groups (empty groups dropped).
+std::vector<ParamGroup> weight_decay_groups(const std::vector<std::pair<std::string, at::Tensor>>& named_params,
+                                            double weight_decay);
+
+class Optimizer {
+ public:
+  virtual ~Optimizer() = default;
+  virtual void step() = 0;
+  void zero_grad();
+  std::vector<ParamGroup>& groups() { return groups_; }
+  // Named state tensors ("<param>.<buffer>") and scalar state, for checkpoints.
+  virtual std::vector<std::pair<std::string, at::Tensor>> state() const = 0;
+  virtual void load_state(const std::map<std::string, at::Tensor>& state) = 0;
+  double mean_lr() const;
+  void set_lr(double lr);
+
+ protected:
+  std::vector<ParamGroup> groups_;
+};
+
+struct OptimizerArgs {
+  std::string opt = "sgd";  // sgd (nesterov), momentum, adamw
+  double lr = 0.1;
+  double weight_decay = 0.0;
+  double momentum = 0.9;
+  double eps = 1e-8;
+  double beta1 = 0.9, beta2 = 0.999;
+};
+
+std::unique_ptr<Optimizer> create_optimizer(const OptimizerArgs& a,
+                                            const std::vector<std::pair<std::string, at::Tensor>>& named_params);
+
+// timm's epoch-based schedulers: lr(t) for t = epoch index, with linear warmup from warmup_lr.
+struct SchedulerArgs {
+  std::string sched = "cosine";  // cosine | step
+  double base_lr = 0.1;
+  int64_t epochs = 300;          // cosine cycle length (t_initial)
+  int64_t warmup_epochs = 0;
+  double warmup_lr = 1e-5;
+  double min_lr = 0.0;
+  int64_t decay_epochs = 90;
+  double decay_rate = 0.1;
+};
+
+class Scheduler {
+ public:
+  explicit Scheduler(SchedulerArgs a) : a_(std::move(a)) {}
+  double lr_at(int64_t epoch) const;
+
+ private:
+  SchedulerArgs a_;
+};
+
+// timm's --lr unset rule: lr = lr_base * (global_batch / lr_base_size), or its sqrt for
+// 'sqrt' scaling; '' scale means sqrt for optimizers whose name contains "ada" or "lamb".
+double scaled_lr(double lr_base, int64_t lr_base_size, const std::string& scale, const std::string& opt,
+                 int64_t global_batch, std::string* used_scale = nullptr);
+
+}  // namespace imgtrain::optim

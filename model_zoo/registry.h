@@ -1,0 +1,31 @@
+// The model registry: timm's model names mapped to factories and default data configs.
+// `imgtrain models` and the trainer read it; nothing else lists models.
+#pragma once
+#include "core/model.h"
+#include "core/registry.h"
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace imgtrain::model_zoo {
+
+using Model = std::shared_ptr<ClassifierImpl>;
+
+struct ModelEntry {
+  std::function<Model(const ModelArgs&)> create;
+  ModelDefaults defaults;
+};
+
+const ModelEntry* find_model(const std::string& name);
+std::vector<std::string> list_models(const std::string& pattern = "*");
+// Throws UserError naming the closest registered names when `name` is unknown.
+Model create_model(const std::string& name, const ModelArgs& args);
+const ModelDefaults& model_defaults(const std::string& name);
+int64_t count_params(const torch::nn::Module& m);
+
+// Family registration hooks, called once by the registry.
+void register_resnet(Registry<ModelEntry>& r);
+
+}  // namespace imgtrain::model_zoo

@@ -1,0 +1,186 @@
+// ResNet family as timm builds it (timm/models/resnet.py): same module names, so
+// named_parameters() and named_buffers() are timm's state dict.
+#include "model_zoo/layers/layers.h"
+#include "model_zoo/registry.h"
+
+namespace imgtrain::model_zoo {
+namespace {
+
+// ---- architecture table -------------------------------------------------------------------
+struct ResNetSpec {
+  const char* name;
+  bool bottleneck;
+  std::array<int, 4> layers;
+  ModelDefaults defaults;
+};
+
+ModelDefaults rsb_defaults() {  // timm's _rcfg: the a1_in1k weights' data config
+  ModelDefaults d;
+  d.interpolation = "bicubic";
+  d.crop_pct = 0.95;
+  return d;
+}
+
+const std::vector<ResNetSpec>& specs() {
+  static const std::vector<ResNetSpec> s = {
+      {"resnet18", false, {2, 2, 2, 2}, rsb_defaults()},
+      {"resnet50", true, {3, 4, 6, 3}, rsb_defaults()},
+  };
+  return s;
+}
+
+// ---- blocks -----------------------------------------------------------------------------
+using torch::nn::BatchNorm2d;
+using torch::nn::Conv2d;
+using torch::nn::Conv2dOptions;
+
+Conv2d conv(int64_t in, int64_t out, int64_t k, int64_t stride = 1, int64_t pad = 0) {
+  return Conv2d(Conv2dOptions(in, out, k).stride(stride).padding(pad).bias(false));
+}
+
+struct BlockImpl : torch::nn::Module {
+  virtual at::Tensor forward(at::Tensor x) = 0;
+  virtual void zero_init_last() = 0;
+};
+
+struct BasicBlockImpl : BlockImpl {
+  static constexpr int64_t expansion = 1;
+  Conv2d conv1{nullptr}, conv2{nullptr};
+  BatchNorm2d bn1{nullptr}, bn2{nullptr};
+  torch::nn::Sequential downsample{nullptr};
+  double drop_path_rate;
+
+  BasicBlockImpl(int64_t inplanes, int64_t planes, int64_t stride, torch::nn::Sequential ds, double dpr)
+      : drop_path_rate(dpr) {
+    conv1 = register_module("conv1", conv(inplanes, planes, 3, stride, 1));
+    bn1 = register_module("bn1", BatchNorm2d(planes));
+    conv2 = register_module("conv2", conv(planes, planes, 3, 1, 1));
+    bn2 = register_module("bn2", BatchNorm2d(planes));
+    if (ds) downsample = register_module("downsample", ds);
+  }
+  at::Tensor forward(at::Tensor x) override {
+    auto shortcut = x;
+    x = torch::relu(bn1(conv1(x)));
+    x = bn2(conv2(x));
+    x = drop_path(x, drop_path_rate, is_training());
+    if (downsample) shortcut = downsample->forward(shortcut);
+    return torch::relu(x + shortcut);
+  }
+  void zero_init_last() override { torch::nn::init::zeros_(bn2->weight); }
+};
+
+struct BottleneckImpl : BlockImpl {
+  static constexpr int64_t expansion = 4;
+  Conv2d conv1{nullptr}, conv2{nullptr}, conv3{nullptr};
+  BatchNorm2d bn1{nullptr}, bn2{nullptr}, bn3{nullptr};
+  torch::nn::Sequential downsample{nullptr};
+  double drop_path_rate;
+
+  BottleneckImpl(int64_t inplanes, int64_t planes, int64_t stride, torch::nn::Sequential ds, double dpr)
+      : drop_path_rate(dpr) {
+    int64_t width = planes;  // base_width 64, cardinality 1
+    conv1 = register_module("conv1", conv(inplanes, width, 1));
+    bn1 = register_module("bn1", BatchNorm2d(width));
+    conv2 = register_module("conv2", conv(width, width, 3, stride, 1));
+    bn2 = register_module("bn2", BatchNorm2d(width));
+    conv3 = register_module("conv3", conv(width, planes * expansion, 1));
+    bn3 = register_module("bn3", BatchNorm2d(planes * expansion));
+    if (ds) downsample = register_module("downsample", ds);
+  }
+  at::Tensor forward(at::Tensor x) override {
+    auto shortcut = x;
+    x = torch::relu(bn1(conv1(x)));
+    x = torch::relu(bn2(conv2(x)));
+    x = bn3(conv3(x));
+    x = drop_path(x, drop_path_rate, is_training());
+    if (downsample) shortcut = downsample->forward(shortcut);
+    return torch::relu(x + shortcut);
+  }
+  void zero_init_last() override { torch::nn::init::zeros_(bn3->weight); }
+};
+
+
+class ResNetImpl : public ClassifierImpl {
+ public:
+  ResNetImpl(const ResNetSpec& spec, const ModelArgs& a) : num_classes_(a.num_classes), drop_rate_(a.drop_rate) {
+    if (a.global_pool != "avg")
+      throw std::invalid_argument("resnet: only global_pool='avg' is implemented, got '" + a.global_pool + "'");
+    conv1_ = register_module("conv1", conv(a.in_chans, 64, 7, 2, 3));
+    bn1_ = register_module("bn1", BatchNorm2d(64));
+    const int64_t expansion = spec.bottleneck ? 4 : 1;
+    int total = 0;
+    for (int n : spec.layers) total += n;
+    int64_t inplanes = 64;
+    int block_idx = 0;
+    for (int stage = 0; stage < 4; ++stage) {
+      int64_t planes = int64_t(64) << stage;
+      int64_t stride = stage == 0 ? 1 : 2;
+      torch::nn::Sequential seq;
+      for (int b = 0; b < spec.layers[stage]; ++b, ++block_idx) {
+        int64_t s = b == 0 ? stride : 1;
+        torch::nn::Sequential ds{nullptr};
+        if (b == 0 && (s != 1 || inplanes != planes * expansion)) {
+          ds = torch::nn::Sequential();
+          ds->push_back("0", conv(inplanes, planes * expansion, 1, s, 0));
+          ds->push_back("1", BatchNorm2d(planes * expansion));
+        }
+        double dpr = total > 1 ? a.drop_path_rate * block_idx / (total - 1) : 0.0;
+        std::shared_ptr<BlockImpl> blk;
+        if (spec.bottleneck)
+          blk = std::make_shared<BottleneckImpl>(inplanes, planes, s, ds, dpr);
+        else
+          blk = std::make_shared<BasicBlockImpl>(inplanes, planes, s, ds, dpr);
+        seq->push_back(std::to_string(b), torch::nn::AnyModule(blk));
+        blocks_.push_back(blk);
+        inplanes = planes * expansion;
+      }
+      stages_.push_back(register_module("layer" + std::to_string(stage + 1), seq));
+    }
+    num_features_ = inplanes;
+    if (num_classes_ > 0) fc_ = register_module("fc", torch::nn::Linear(num_features_, num_classes_));
+    init_weights();
+  }
+
+  at::Tensor forward_features(const at::Tensor& in) override {
+    auto x = torch::relu(bn1_(conv1_(in)));
+    x = torch::max_pool2d(x, 3, 2, 1);
+    for (auto& s : stages_) x = s->forward(x);
+    return x;
+  }
+  at::Tensor forward_head(const at::Tensor& in, bool pre_logits) override {
+    auto x = in.mean({2, 3});
+    if (drop_rate_ > 0) x = torch::dropout(x, drop_rate_, is_training());
+    if (pre_logits || !fc_) return x;
+    return fc_(x);
+  }
+  int64_t num_classes() const override { return num_classes_; }
+  int64_t num_features() const override { return num_features_; }
+
+ private:
+  void init_weights() {
+    torch::NoGradGuard ng;
+    for (auto& m : modules(/*include_self=*/false))
+      if (auto* c = m->as<torch::nn::Conv2d>())
+        torch::nn::init::kaiming_normal_(c->weight, 0.0, torch::kFanOut, torch::kReLU);
+    for (auto& b : blocks_) b->zero_init_last();
+  }
+
+  int64_t num_classes_, num_features_ = 0;
+  double drop_rate_;
+  Conv2d conv1_{nullptr};
+  BatchNorm2d bn1_{nullptr};
+  std::vector<torch::nn::Sequential> stages_;
+  std::vector<std::shared_ptr<BlockImpl>> blocks_;
+  torch::nn::Linear fc_{nullptr};
+};
+
+}  // namespace
+
+void register_resnet(Registry<ModelEntry>& r) {
+  for (auto& spec : specs()) {
+    r.add(spec.name, ModelEntry{[&spec](const ModelArgs& a) -> Model { return std::make_shared<ResNetImpl>(spec, a); },
+                                spec.defaults});
+  }
+}
+
+}  // namespace imgtrain::model_zoo
