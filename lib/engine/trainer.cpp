@@ -163,9 +163,17 @@ void check_labels(const data::Dataset& ds, int64_t num_classes, const std::strin
     throw UserError(fmt::format("--num-classes {}: the {} split has {} classes", num_classes, what, ds.num_classes()));
 }
 
+void require_file(const std::string& path, const char* flag) {
+  std::error_code ec;
+  if (!path.empty() && !fs::is_regular_file(path, ec))
+    throw UserError(fmt::format("{} '{}': cannot open the file", flag, path));
+}
+
 }  // namespace
 
 int train(const cli::Config& cfg) {
+  require_file(cfg.resume, "--resume");
+  require_file(cfg.initial_checkpoint, "--initial-checkpoint");
   torch::manual_seed(uint64_t(cfg.seed));
   const auto device = resolve_device(cfg.device);
   const auto& defaults = model_zoo::model_defaults(cfg.model);  // unknown model fails before data loading
@@ -395,6 +403,7 @@ int train(const cli::Config& cfg) {
 
 int validate(const cli::Config& cfg) {
   if (cfg.checkpoint.empty()) throw UserError("--checkpoint is required for validate");
+  require_file(cfg.checkpoint, "--checkpoint");
   const auto device = resolve_device(cfg.device);
   auto st = io::load_safetensors(cfg.checkpoint);
   auto meta_int = [&](const char* k) -> std::optional<int64_t> {

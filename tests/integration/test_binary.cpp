@@ -1,0 +1,185 @@
+// Drives the real imgtrain binary on small real data: Fashion-MNIST images written as PNG folders.
+#include "data/dataset.h"
+#include "engine/checkpoint.h"
+#include "io/safetensors.h"
+#include "model_zoo/registry.h"
+#include "test_util.h"
+
+#include <catch2/catch.hpp>
+#include <opencv2/imgcodecs.hpp>
+#include <torch/torch.h>
+
+#include <regex>
+
+namespace fs = std::filesystem;
+using namespace imgtrain;
+
+namespace {
+
+const std::string kBin = IMGTRAIN_BIN;
+const std::string kPython = std::string(IMGTRAIN_SOURCE_DIR) + "/.venv/bin/python";
+
+// ImageFolder of the first `n_train` training and `n_val` test images of Fashion-MNIST, made
+// once per build folder (written to a temporary name, then renamed, so parallel tests agree).
+std::string fmnist_folder(size_t n_train = 2000, size_t n_val = 500) {
+  fs::path root = fs::path(IMGTRAIN_PARITY_DIR).parent_path() / fmt::format("fmnist-{}-{}", n_train, n_val);
+  if (fs::exists(root / "done")) return root.string();
+  fs::path tmp = root.string() + ".tmp" + std::to_string(::getpid());
+  for (auto [split, n] : {std::pair{std::string("train"), n_train}, std::pair{std::string("validation"), n_val}}) {
+    auto ds = data::create_dataset("fashion-mnist", "", split);
+    for (size_t i = 0; i < n; ++i) {
+      auto dir = tmp / (split == "train" ? "train" : "val") / fmt::format("class_{}", ds->label(i));
+      fs::create_directories(dir);
+      cv::imwrite((dir / fmt::format("{:05d}.png", i)).string(), ds->image(i));
+    }
+  }
+  test::write_file((tmp / "done").string(), "");
+  std::error_code ec;
+  fs::rename(tmp, root, ec);
+  if (ec) fs::remove_all(tmp, ec);  // another test made it first
+  return root.string();
+}
+
+std::vector<std::vector<std::string>> read_csv(const std::string& path) {
+  std::vector<std::vector<std::string>> rows;
+  std::stringstream ss(test::read_file(path));
+  std::string line;
+  while (std::getline(ss, line)) {
+    std::vector<std::string> cells;
+    std::stringstream ls(line);
+    std::string c;
+    while (std::getline(ls, c, ',')) cells.push_back(c);
+    rows.push_back(cells);
+  }
+  return rows;
+}
+
+// A user error: exit code 2, one line of message, no crash.
+void expect_user_error(const test::RunResult& r, const std::string& needle) {
+  INFO(r.output);
+  CHECK(r.code == 2);
+  CHECK_THAT(r.output, Catch::Contains("imgtrain: error:") && Catch::Contains(needle));
+  CHECK(std::count(r.output.begin(), r.output.end(), '\n') == 1);
+}
+
+const std::string kSmallArgs =
+    " --model resnet18 --img-size 28 --in-chans 1 -b 50 -vb 250 --lr 0.1 --warmup-epochs 0 --scale 0.7 1.0"
+    " --train-interpolation bilinear --weight-decay 1e-4 -j 2 --device cpu --log-interval 20 ";
+
+}  // namespace
+
+TEST_CASE("trains far above chance, validates, resumes at the next epoch, loads in timm", "[integration]") {
+  auto data = fmnist_folder();
+  test::TempDir out("train");
+  auto r = test::run(kBin + " train --data-dir " + data + kSmallArgs + " --epochs 3 --output " + out.path.string() +
+                     " --experiment run");
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  const std::string run = out / "run";
+  for (auto f : {"args.yaml", "summary.csv", "last.safetensors", "model_best.safetensors", "checkpoint-2.safetensors",
+                 "log.txt"})
+    CHECK(fs::exists(run + "/" + f));
+  CHECK_THAT(r.output, Catch::Contains("Train: 2 [  39/40 (100%)]") && Catch::Contains("*** Best metric:"));
+  auto rows = read_csv(run + "/summary.csv");
+  REQUIRE(rows.size() == 4);
+  CHECK(rows[0] == std::vector<std::string>{"epoch", "train_loss", "eval_loss", "eval_top1", "eval_top5", "lr"});
+  double top1 = std::stod(rows[3][3]);
+  CHECK(top1 > 60.0);  // chance is 10%
+
+  // validate on the same split reproduces the last epoch's accuracy.
+  auto v = test::run(kBin + " validate --checkpoint " + run + "/last.safetensors --data-dir " + data +
+                     " --model resnet18 --device cpu -b 100");
+  INFO(v.output);
+  REQUIRE(v.code == 0);
+  std::smatch m;
+  std::string vo = v.output;
+  REQUIRE(std::regex_search(vo, m, std::regex("\"top1\": ([0-9.]+)")));
+  CHECK(std::stod(m[1]) == Approx(top1).margin(1e-3));
+
+  // Resume: continues at epoch 3, not 0, and appends to the same summary.
+  auto r2 = test::run(kBin + " train --data-dir " + data + kSmallArgs + " --epochs 4 --output " + out.path.string() +
+                      " --experiment run --resume " + run + "/last.safetensors");
+  INFO(r2.output);
+  REQUIRE(r2.code == 0);
+  CHECK_THAT(r2.output, Catch::Contains("Resumed from checkpoint") && Catch::Contains("Train: 3 [   0/40"));
+  CHECK_THAT(r2.output, !Catch::Contains("Train: 0 ["));
+  rows = read_csv(run + "/summary.csv");
+  REQUIRE(rows.size() == 5);
+  CHECK(rows[4][0] == "3");
+  auto st = io::load_safetensors(run + "/last.safetensors");
+  CHECK(st.metadata.at("epoch") == "3");
+  CHECK(st.metadata.at("num_updates") == "160");
+
+  // args.yaml goes back in through -c.
+  auto again = test::run(kBin + " train -c " + run + "/args.yaml --epochs 4 --start-epoch 4 --output " +
+                         out.path.string() + " --experiment again");
+  INFO(again.output);
+  CHECK(again.code == 0);
+
+  // The checkpoint loads into timm (strict) and gives the same outputs.
+  REQUIRE(fs::exists(kPython));  // scripts/setup.sh --test installs timm there
+  ModelArgs a;
+  a.num_classes = 10;
+  a.in_chans = 1;
+  auto model = model_zoo::create_model("resnet18", a);
+  engine::load_state_dict(*model, st, "model.", "last");
+  model->eval();
+  torch::manual_seed(5);
+  auto x = torch::randn({3, 1, 28, 28});
+  torch::NoGradGuard ng;
+  auto y = model->forward(x);
+  io::save_safetensors(out / "x.safetensors", {{"x", x}});
+  auto py = test::run(kPython + " " + IMGTRAIN_SOURCE_DIR + "/tests/parity/timm_forward.py " + run +
+                      "/last.safetensors resnet18 10 1 " + (out / "x.safetensors") + " " + (out / "y.safetensors"));
+  INFO(py.output);
+  REQUIRE(py.code == 0);
+  auto ty = *io::load_safetensors(out / "y.safetensors").find("y");
+  CHECK((ty - y).abs().max().item<double>() < 1e-4);
+}
+
+TEST_CASE("a corrupt image is skipped with a warning naming it, and training completes", "[integration]") {
+  auto data = fmnist_folder(200, 100);
+  test::TempDir d("corrupt");
+  fs::copy(data, d.path, fs::copy_options::recursive);
+  test::write_file(d / "train/class_3/zz_broken.png", "\x89PNG\r\n\x1a\n this is not really a png");
+  test::TempDir out("corrupt-out");
+  auto r = test::run(kBin + " train --data-dir " + d.path.string() + kSmallArgs + " --epochs 1 --output " +
+                     out.path.string() + " --experiment c");
+  INFO(r.output);
+  CHECK(r.code == 0);
+  CHECK_THAT(r.output, Catch::Contains("zz_broken.png") && Catch::Contains("skipped 1 unreadable image"));
+  CHECK(fs::exists(out / "c/last.safetensors"));
+}
+
+TEST_CASE("user errors give one clear line and exit code 2", "[integration]") {
+  auto data = fmnist_folder(200, 100);
+  test::TempDir d("errors");
+  expect_user_error(test::run(kBin + " train --model resnet18"), "--data-dir");
+  expect_user_error(test::run(kBin + " train --data-dir " + d.path.string() + "/nowhere"), "nowhere");
+  fs::create_directories(d / "empty/train/a");
+  fs::create_directories(d / "empty/val/a");
+  expect_user_error(test::run(kBin + " train --device cpu --data-dir " + (d / "empty")), "no images");
+  expect_user_error(test::run(kBin + " train --model resnet51 --data-dir " + data), "closest: resnet50");
+  test::write_file(d / "bad.yaml", "model: resnet18\nbatchsize: 3\n");
+  expect_user_error(test::run(kBin + " train -c " + (d / "bad.yaml")), "unknown key 'batchsize'");
+  expect_user_error(test::run(kBin + " train -b -3"), "--batch-size");
+  expect_user_error(test::run(kBin + " train --lr abc"), "--lr 'abc'");
+  expect_user_error(test::run(kBin + " train --device cpu --data-dir " + data + " --resume " + (d / "missing.st")),
+                    "--resume");
+  test::write_file(d / "garbage.safetensors", "garbage!garbage!");
+  expect_user_error(test::run(kBin + " validate --device cpu --data-dir " + data + " --checkpoint " +
+                              (d / "garbage.safetensors")),
+                    "not a valid safetensors file");
+  expect_user_error(test::run(kBin + " models nosuchmodel"), "no model matches");
+  auto r = test::run(kBin + " frobnicate");
+  CHECK(r.code == 2);
+}
+
+TEST_CASE("models lists the registry with parameter counts", "[integration]") {
+  auto r = test::run(kBin + " models 'resnet*'");
+  INFO(r.output);
+  CHECK(r.code == 0);
+  CHECK_THAT(r.output, Catch::Contains("resnet18") && Catch::Contains("11689512") && Catch::Contains("25557032"));
+  auto v = test::run(kBin + " --version");
+  CHECK_THAT(v.output, Catch::Contains("imgtrain 0.1.0"));
+}

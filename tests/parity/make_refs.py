@@ -1,0 +1,131 @@
+"""Writes reference data for the C++ parity tests with the Python tools they must agree with
+(timm, torch). Usage: make_refs.py OUT_DIR. Everything is seeded, nothing is downloaded."""
+import json
+import math
+import os
+import sys
+
+import torch
+import timm
+from safetensors.torch import save_file
+from timm.optim._param_groups import param_groups_weight_decay
+from timm.scheduler import create_scheduler_v2
+
+out = sys.argv[1]
+os.makedirs(out, exist_ok=True)
+torch.set_num_threads(1)
+
+
+def randomize_bn(model, g):
+    # timm zero-inits the last BN of each block, which would hide half the network from the test.
+    # Those get small random scales so the residual stream (and the output) stays O(1) and an
+    # absolute tolerance of 1e-4 means something.
+    last = set()
+    for m in model.modules():
+        if hasattr(m, 'zero_init_last'):
+            last.add(id(getattr(m, 'bn3', None) or m.bn2))
+    for m in model.modules():
+        if isinstance(m, torch.nn.BatchNorm2d):
+            with torch.no_grad():
+                lo, span = (0.05, 0.25) if id(m) in last else (0.5, 1.0)
+                m.weight.copy_(torch.rand(m.weight.shape, generator=g) * span + lo)
+                m.bias.copy_(torch.randn(m.bias.shape, generator=g) * 0.05)
+                m.running_mean.copy_(torch.randn(m.running_mean.shape, generator=g) * 0.1)
+                m.running_var.copy_(torch.rand(m.running_var.shape, generator=g) + 0.5)
+
+
+def model_refs(name, train_grads):
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    model = timm.create_model(name, num_classes=10)
+    randomize_bn(model, g)
+    tensors = {'model.' + k: v.clone().contiguous() for k, v in model.state_dict().items()}
+    x = torch.randn(2, 3, 64, 64, generator=g)
+    model.eval()
+    with torch.no_grad():
+        tensors['ref.input'] = x
+        tensors['ref.eval_out'] = model(x)
+    meta = {'keys': json.dumps([[k, list(v.shape)] for k, v in model.state_dict().items()]),
+            'param_count': str(sum(p.numel() for p in model.parameters()))}
+    if train_grads:
+        model.train()
+        xt = torch.randn(4, 3, 64, 64, generator=g)
+        y = torch.tensor([1, 3, 5, 7])
+        outp = model(xt)
+        loss = torch.nn.functional.cross_entropy(outp, y, label_smoothing=0.1)
+        loss.backward()
+        tensors['ref.train_input'] = xt
+        tensors['ref.train_target'] = y
+        tensors['ref.train_loss'] = loss.detach().reshape(1)
+        for k, p in model.named_parameters():
+            tensors['grad.' + k] = p.grad.contiguous()
+        # BN running stats after one train-mode forward (momentum 0.1).
+        for k, b in model.named_buffers():
+            tensors['after.' + k] = b.clone().contiguous()
+    # Initialisation statistics of a fresh model (1000 classes, timm defaults).
+    fresh = timm.create_model(name)
+    stats = {k: [v.float().mean().item(), v.float().std().item() if v.numel() > 1 else 0.0, v.numel()]
+             for k, v in fresh.state_dict().items() if v.dtype.is_floating_point}
+    meta['init_stats'] = json.dumps(stats)
+    save_file(tensors, os.path.join(out, f'{name}.safetensors'), metadata=meta)
+
+
+model_refs('resnet18', True)
+model_refs('resnet50', False)
+
+# Optimizers: three steps on fixed parameters and gradients, with weight decay.
+g = torch.Generator().manual_seed(1)
+p0 = torch.randn(5, 3, generator=g)
+grads = [torch.randn(5, 3, generator=g) for _ in range(3)]
+opt_t = {'p0': p0.clone()}
+for i, gr in enumerate(grads):
+    opt_t[f'g{i}'] = gr
+configs = {
+    'sgd': lambda p: torch.optim.SGD([p], lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-2),
+    'momentum': lambda p: torch.optim.SGD([p], lr=0.1, momentum=0.9, nesterov=False, weight_decay=1e-2),
+    'adamw': lambda p: torch.optim.AdamW([p], lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=5e-2),
+}
+for name, make in configs.items():
+    p = torch.nn.Parameter(p0.clone())
+    opt = make(p)
+    for i, gr in enumerate(grads):
+        p.grad = gr.clone()
+        opt.step()
+        opt_t[f'{name}.step{i}'] = p.detach().clone()
+save_file(opt_t, os.path.join(out, 'optim.safetensors'))
+
+# Schedules: timm's lr per epoch.
+sched = {}
+dummy = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+s, _ = create_scheduler_v2(dummy, 'cosine', num_epochs=10, warmup_epochs=2, warmup_lr=1e-4, min_lr=1e-5)
+sched['cosine'] = torch.tensor([s._get_lr(t)[0] for t in range(13)], dtype=torch.float64)
+dummy = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+s, _ = create_scheduler_v2(dummy, 'step', num_epochs=10, decay_epochs=3, decay_rate=0.5, warmup_epochs=1,
+                           warmup_lr=1e-4)
+sched['step'] = torch.tensor([s._get_lr(t)[0] for t in range(13)], dtype=torch.float64)
+# torch.utils.data.DistributedSampler / timm's training order: randperm seeded with seed + epoch.
+gen = torch.Generator().manual_seed(42 + 3)
+sched['randperm'] = torch.randperm(10, generator=gen)
+# timm's no-weight-decay parameter group of resnet18.
+model = timm.create_model('resnet18', num_classes=10)
+names = {id(p): k for k, p in model.named_parameters()}
+groups = param_groups_weight_decay(model, 1e-4)
+no_decay = sorted(names[id(p)] for grp in groups if grp['weight_decay'] == 0 for p in grp['params'])
+# Label-smoothed cross entropy as timm computes it (LabelSmoothingCrossEntropy).
+from timm.loss import LabelSmoothingCrossEntropy
+logits = torch.randn(6, 10, generator=g)
+target = torch.tensor([0, 1, 2, 3, 4, 9])
+sched['ce.logits'] = logits
+sched['ce.target'] = target
+sched['ce.loss'] = LabelSmoothingCrossEntropy(0.1)(logits, target).reshape(1)
+save_file(sched, os.path.join(out, 'misc.safetensors'), metadata={'no_decay': json.dumps(no_decay)})
+
+# A file written by the reference safetensors library, with several dtypes.
+save_file({'f32': torch.arange(6, dtype=torch.float32).reshape(2, 3),
+           'f16': torch.arange(4, dtype=torch.float16),
+           'bf16': torch.arange(4, dtype=torch.bfloat16),
+           'i64': torch.arange(3, dtype=torch.int64) - 1,
+           'u8': torch.arange(5, dtype=torch.uint8),
+           'b': torch.tensor([True, False])},
+          os.path.join(out, 'dtypes.safetensors'), metadata={'hello': 'world'})
+print('wrote references to', out)

@@ -1,0 +1,209 @@
+// Compares imgtrain with timm / torch on references written by make_refs.py (same inputs).
+#include "data/loader.h"
+#include "engine/checkpoint.h"
+#include "io/safetensors.h"
+#include "model_zoo/registry.h"
+#include "optim/optim.h"
+
+#include <catch2/catch.hpp>
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include <set>
+
+using namespace imgtrain;
+
+namespace {
+io::SafeTensors load_ref(const std::string& name) {
+  torch::set_num_threads(1);  // as make_refs.py: the same reduction order as the reference
+  return io::load_safetensors(std::string(IMGTRAIN_PARITY_DIR) + "/" + name);
+}
+
+double max_abs_diff(const at::Tensor& a, const at::Tensor& b) { return (a - b).abs().max().item<double>(); }
+
+double rel_diff(const at::Tensor& a, const at::Tensor& b) {
+  double n = b.norm().item<double>();
+  return (a - b).norm().item<double>() / std::max(n, 1e-12);
+}
+
+model_zoo::Model loaded(const std::string& name, const io::SafeTensors& st) {
+  ModelArgs a;
+  a.num_classes = 10;
+  auto m = model_zoo::create_model(name, a);
+  engine::load_state_dict(*m, st, "model.", name);
+  return m;
+}
+}  // namespace
+
+TEST_CASE("state dict names, shapes and parameter counts equal timm's", "[parity][models]") {
+  for (std::string name : {"resnet18", "resnet50"}) {
+    auto st = load_ref(name + ".safetensors");
+    auto keys = nlohmann::json::parse(st.metadata.at("keys"));
+    std::map<std::string, std::vector<int64_t>> want, have;
+    for (auto& kv : keys) want[kv[0].get<std::string>()] = kv[1].get<std::vector<int64_t>>();
+    ModelArgs a;
+    a.num_classes = 10;
+    auto m = model_zoo::create_model(name, a);
+    for (auto& [k, v] : engine::state_dict(*m)) have[k] = v.sizes().vec();
+    CHECK(have == want);
+    CHECK(model_zoo::count_params(*m) == std::stoll(st.metadata.at("param_count")));
+  }
+}
+
+TEST_CASE("eval-mode outputs equal timm's for the same weights", "[parity][models]") {
+  for (std::string name : {"resnet18", "resnet50"}) {
+    auto st = load_ref(name + ".safetensors");
+    auto m = loaded(name, st);
+    m->eval();
+    torch::NoGradGuard ng;
+    auto out = m->forward(*st.find("ref.input"));
+    INFO(name);
+    CHECK(max_abs_diff(out, *st.find("ref.eval_out")) < 1e-4);
+  }
+}
+
+TEST_CASE("train-mode loss, gradients and BN statistics equal timm's", "[parity][models]") {
+  auto st = load_ref("resnet18.safetensors");
+  auto m = loaded("resnet18", st);
+  m->train();
+  auto out = m->forward(*st.find("ref.train_input"));
+  auto loss = torch::nn::functional::cross_entropy(
+      out, *st.find("ref.train_target"), torch::nn::functional::CrossEntropyFuncOptions().label_smoothing(0.1));
+  loss.backward();
+  CHECK(std::abs(loss.item<double>() - st.find("ref.train_loss")->item<double>()) < 1e-5);
+  for (auto& p : m->named_parameters()) {
+    INFO(p.key());
+    CHECK(rel_diff(p.value().grad(), *st.find("grad." + p.key())) < 1e-3);
+  }
+  for (auto& b : m->named_buffers()) {
+    INFO(b.key());
+    CHECK(max_abs_diff(b.value().to(torch::kDouble), st.find("after." + b.key())->to(torch::kDouble)) < 1e-5);
+  }
+}
+
+TEST_CASE("initialisation statistics agree with timm's within sampling error", "[parity][models]") {
+  for (std::string name : {"resnet18", "resnet50"}) {
+    auto st = load_ref(name + ".safetensors");
+    auto stats = nlohmann::json::parse(st.metadata.at("init_stats"));
+    torch::manual_seed(123);
+    auto m = model_zoo::create_model(name, ModelArgs{});
+    size_t checked = 0;
+    for (auto& [k, v] : engine::state_dict(*m)) {
+      if (!v.is_floating_point()) continue;
+      REQUIRE(stats.contains(k));
+      const double rmean = stats[k][0].get<double>();
+      const double rstd = stats[k][1].get<double>();
+      const double n = stats[k][2].get<double>();
+      double mean = v.mean().item<double>(), sd = v.numel() > 1 ? v.std().item<double>() : 0.0;
+      INFO(name << " " << k << " mean " << mean << " vs " << rmean << ", std " << sd << " vs " << rstd);
+      if (rstd == 0) {
+        CHECK(mean == Approx(rmean).margin(1e-12));
+        CHECK(sd == Approx(0).margin(1e-12));
+      } else {
+        CHECK(std::abs(mean - rmean) < 6 * std::max(rstd, sd) / std::sqrt(n) + 1e-7);
+        if (n >= 1000) CHECK(std::abs(sd - rstd) < 0.05 * rstd);
+      }
+      ++checked;
+    }
+    CHECK(checked == stats.size());
+  }
+}
+
+TEST_CASE("optimizers step exactly like torch.optim", "[parity][optim]") {
+  auto st = load_ref("optim.safetensors");
+  for (std::string name : {"sgd", "momentum", "adamw"}) {
+    optim::OptimizerArgs a;
+    a.opt = name;
+    a.lr = name == "adamw" ? 1e-2 : 0.1;
+    a.weight_decay = name == "adamw" ? 5e-2 : 1e-2;
+    a.momentum = 0.9;
+    auto p = st.find("p0")->clone().requires_grad_(true);
+    auto opt = optim::create_optimizer(a, {{"w", p}});
+    for (int i = 0; i < 3; ++i) {
+      p.mutable_grad() = st.find("g" + std::to_string(i))->clone();
+      opt->step();
+      INFO(name << " step " << i);
+      CHECK(max_abs_diff(p.detach(), *st.find(name + ".step" + std::to_string(i))) < 1e-6);
+    }
+  }
+}
+
+TEST_CASE("schedules give timm's learning rates", "[parity][sched]") {
+  auto st = load_ref("misc.safetensors");
+  optim::SchedulerArgs c;
+  c.sched = "cosine";
+  c.base_lr = 0.1;
+  c.epochs = 10;
+  c.warmup_epochs = 2;
+  c.warmup_lr = 1e-4;
+  c.min_lr = 1e-5;
+  optim::SchedulerArgs s = c;
+  s.sched = "step";
+  s.min_lr = 0;
+  s.decay_epochs = 3;
+  s.decay_rate = 0.5;
+  s.warmup_epochs = 1;
+  for (auto [args, key] : {std::pair{c, "cosine"}, std::pair{s, "step"}}) {
+    optim::Scheduler sch(args);
+    auto want = *st.find(key);
+    for (int64_t t = 0; t < want.size(0); ++t) {
+      INFO(key << " epoch " << t);
+      CHECK(sch.lr_at(t) == Approx(want[t].item<double>()).epsilon(1e-12));
+    }
+  }
+}
+
+TEST_CASE("training order is torch's randperm seeded with seed + epoch", "[parity][data]") {
+  auto st = load_ref("misc.safetensors");
+  struct Tiny : data::Dataset {
+    size_t size() const override { return 10; }
+    int64_t label(size_t) const override { return 0; }
+    cv::Mat image(size_t) const override { return cv::Mat(4, 4, CV_8UC3, cv::Scalar::all(1)); }
+    std::string describe(size_t i) const override { return std::to_string(i); }
+    int64_t num_classes() const override { return 1; }
+    std::vector<std::string> class_names() const override { return {"x"}; }
+  };
+  data::TransformConfig tc;
+  tc.size = 4;
+  data::LoaderOptions o;
+  o.batch_size = 5;
+  o.shuffle = true;
+  o.seed = 42;
+  o.workers = 0;
+  data::Loader l(std::make_shared<Tiny>(), tc, o);
+  l.start_epoch(3);
+  auto want = *st.find("randperm");
+  std::vector<int64_t> w(want.data_ptr<int64_t>(), want.data_ptr<int64_t>() + want.numel());
+  CHECK(l.order() == w);
+}
+
+TEST_CASE("no-weight-decay group and smoothed cross entropy match timm", "[parity][optim]") {
+  auto st = load_ref("misc.safetensors");
+  auto want = nlohmann::json::parse(st.metadata.at("no_decay")).get<std::vector<std::string>>();
+  ModelArgs a;
+  a.num_classes = 10;
+  auto m = model_zoo::create_model("resnet18", a);
+  std::vector<std::pair<std::string, at::Tensor>> named;
+  for (auto& p : m->named_parameters()) named.emplace_back(p.key(), p.value());
+  auto groups = optim::weight_decay_groups(named, 1e-4);
+  REQUIRE(groups.size() == 2);
+  CHECK(groups[0].weight_decay == 0);
+  auto got = groups[0].names;
+  std::sort(got.begin(), got.end());
+  CHECK(got == want);
+
+  auto loss = torch::nn::functional::cross_entropy(
+      *st.find("ce.logits"), *st.find("ce.target"), torch::nn::functional::CrossEntropyFuncOptions().label_smoothing(0.1));
+  CHECK(loss.item<double>() == Approx(st.find("ce.loss")->item<double>()).epsilon(1e-6));
+}
+
+TEST_CASE("files written by the safetensors library read back exactly", "[parity][io]") {
+  auto st = load_ref("dtypes.safetensors");
+  CHECK(st.metadata.at("hello") == "world");
+  CHECK(torch::equal(*st.find("f32"), torch::arange(6, torch::kFloat32).view({2, 3})));
+  CHECK(torch::equal(*st.find("f16"), torch::arange(4).to(torch::kHalf)));
+  CHECK(torch::equal(*st.find("bf16"), torch::arange(4).to(torch::kBFloat16)));
+  CHECK(torch::equal(*st.find("i64"), torch::arange(3, torch::kLong) - 1));
+  CHECK(torch::equal(*st.find("u8"), torch::arange(5, torch::kUInt8)));
+  CHECK(torch::equal(*st.find("b"), torch::tensor({true, false})));
+}

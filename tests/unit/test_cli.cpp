@@ -1,0 +1,122 @@
+#include "cli/config.h"
+#include "core/error.h"
+#include "core/registry.h"
+#include "test_util.h"
+
+#include <catch2/catch.hpp>
+
+using imgtrain::UserError;
+using imgtrain::cli::Command;
+using imgtrain::cli::parse;
+
+namespace {
+imgtrain::cli::Config train(std::vector<std::string> args) { return *parse(Command::Train, args); }
+
+std::string error_of(std::vector<std::string> args, Command cmd = Command::Train) {
+  try {
+    parse(cmd, args);
+  } catch (const UserError& e) {
+    return e.what();
+  }
+  return "";
+}
+}  // namespace
+
+TEST_CASE("defaults follow timm train.py", "[cli]") {
+  auto c = train({});
+  CHECK(c.model == "resnet50");
+  CHECK(c.batch_size == 128);
+  CHECK(c.epochs == 300);
+  CHECK(c.opt == "sgd");
+  CHECK(c.weight_decay == Approx(2e-5));
+  CHECK(c.warmup_epochs == 5);
+  CHECK(c.smoothing == Approx(0.1));
+  CHECK(c.scale == std::vector<double>{0.08, 1.0});
+  CHECK_FALSE(c.lr.has_value());
+  CHECK(c.val_split == "validation");
+}
+
+TEST_CASE("flags parse with timm's names, aliases and multi-value forms", "[cli]") {
+  auto c = train({"--model", "resnet18", "-b", "32", "-vb", "64", "--lr", "0.5", "--scale", "0.5", "1.0", "-j", "3",
+                  "--pin-mem", "--dr", "0.5", "--device=cpu"});
+  CHECK(c.model == "resnet18");
+  CHECK(c.batch_size == 32);
+  CHECK(c.validation_batch_size == 64);
+  CHECK(*c.lr == Approx(0.5));
+  CHECK(c.scale == std::vector<double>{0.5, 1.0});
+  CHECK(c.workers == 3);
+  CHECK(c.pin_mem);
+  CHECK(c.decay_rate == Approx(0.5));
+  CHECK(c.device == "cpu");
+}
+
+TEST_CASE("config file sets defaults and the command line overrides them", "[cli]") {
+  test::TempDir d("cli");
+  test::write_file(d / "c.yaml", "batch_size: 64\nlr: 0.25\nmodel: resnet18\nscale: [0.3, 0.9]\npin_mem: true\n");
+  auto c = train({"-c", d / "c.yaml", "--lr", "0.125"});
+  CHECK(c.batch_size == 64);
+  CHECK(*c.lr == Approx(0.125));
+  CHECK(c.model == "resnet18");
+  CHECK(c.scale == std::vector<double>{0.3, 0.9});
+  CHECK(c.pin_mem);
+  // Dashed keys are accepted as well as timm's underscored ones.
+  test::write_file(d / "dash.yaml", "batch-size: 16\n");
+  CHECK(train({"-c", d / "dash.yaml"}).batch_size == 16);
+}
+
+TEST_CASE("args.yaml written by a run is accepted back by -c", "[cli]") {
+  auto c = train({"--model", "resnet18", "-b", "48", "--lr", "0.3", "--scale", "0.2", "0.8", "--experiment",
+                  "x: y", "--num-classes", "7", "--no-aug"});
+  test::TempDir d("cli");
+  test::write_file(d / "args.yaml", imgtrain::cli::to_yaml(Command::Train, c));
+  auto back = train({"-c", d / "args.yaml"});
+  CHECK(back.model == "resnet18");
+  CHECK(back.batch_size == 48);
+  CHECK(*back.lr == Approx(0.3));
+  CHECK(back.scale == std::vector<double>{0.2, 0.8});
+  CHECK(back.experiment == "x: y");
+  CHECK(back.num_classes == 7);
+  CHECK_FALSE(back.img_size.has_value());
+  CHECK(back.no_aug);
+  CHECK(imgtrain::cli::to_yaml(Command::Train, back) == imgtrain::cli::to_yaml(Command::Train, c));
+}
+
+TEST_CASE("bad values name the flag, the value and what is accepted", "[cli]") {
+  auto e = error_of({"-b", "abc"});
+  CHECK_THAT(e, Catch::Contains("--batch-size") && Catch::Contains("'abc'") && Catch::Contains("positive integer"));
+  CHECK_THAT(error_of({"-b", "0"}), Catch::Contains("positive integer"));
+  CHECK_THAT(error_of({"--opt", "sgdd"}), Catch::Contains("--opt") && Catch::Contains("sgd, momentum, adamw"));
+  CHECK_THAT(error_of({"--sched", "cos"}), Catch::Contains("cosine, step"));
+  CHECK_THAT(error_of({"--hflip", "1.5"}), Catch::Contains("--hflip") && Catch::Contains("[0, 1]"));
+  CHECK_THAT(error_of({"--lr", "fast"}), Catch::Contains("--lr") && Catch::Contains("'fast'"));
+  CHECK_THAT(error_of({"--scale", "0.5"}), Catch::Contains("--scale") && Catch::Contains("2 numbers"));
+  CHECK_THAT(error_of({"--scale", "0.9", "0.1"}), Catch::Contains("low <= high"));
+  CHECK_THAT(error_of({"--device", "tpu"}), Catch::Contains("--device 'tpu'") && Catch::Contains("cuda:N"));
+  CHECK_THAT(error_of({"--device", "cuda:x"}), Catch::Contains("cuda:N"));
+  CHECK_THAT(error_of({"--pin-mem=maybe"}), Catch::Contains("true or false"));
+  CHECK_THAT(error_of({"--epoch", "3"}), Catch::Contains("unknown flag '--epoch'") && Catch::Contains("--epochs"));
+  CHECK_THAT(error_of({"stray"}), Catch::Contains("'stray'"));
+  // validate has its own flag set
+  CHECK_THAT(error_of({"--opt", "sgd"}, Command::Validate), Catch::Contains("unknown flag '--opt'"));
+}
+
+TEST_CASE("config file errors name the key and the file", "[cli]") {
+  test::TempDir d("cli");
+  test::write_file(d / "bad.yaml", "batch_size: 64\nlearning_rate: 0.1\n");
+  CHECK_THAT(error_of({"-c", d / "bad.yaml"}), Catch::Contains("unknown key 'learning_rate'") &&
+                                                   Catch::Contains("bad.yaml"));
+  test::write_file(d / "val.yaml", "batch_size: many\n");
+  CHECK_THAT(error_of({"-c", d / "val.yaml"}), Catch::Contains("key 'batch_size'") && Catch::Contains("'many'"));
+  test::write_file(d / "broken.yaml", "batch_size: [1,\n");
+  CHECK_THAT(error_of({"-c", d / "broken.yaml"}), Catch::Contains("not valid YAML"));
+  CHECK_THAT(error_of({"-c", d / "missing.yaml"}), Catch::Contains("cannot read"));
+}
+
+TEST_CASE("wildcards and name suggestions", "[cli]") {
+  CHECK(imgtrain::wildcard_match("resnet*", "resnet50"));
+  CHECK(imgtrain::wildcard_match("*net?0", "resnet50"));
+  CHECK_FALSE(imgtrain::wildcard_match("resnet*", "vit_base"));
+  CHECK_FALSE(imgtrain::wildcard_match("resnet5", "resnet50"));
+  auto close = imgtrain::closest_names("resnet5", {"vit_tiny", "resnet50", "resnet18"}, 2);
+  CHECK(close == std::vector<std::string>{"resnet50", "resnet18"});
+}

@@ -1,0 +1,300 @@
+#include "core/error.h"
+#include "data/dataset.h"
+#include "data/loader.h"
+#include "data/transforms.h"
+#include "test_util.h"
+
+#include <catch2/catch.hpp>
+#include <opencv2/imgcodecs.hpp>
+#include <opencv2/imgproc.hpp>
+#include <torch/torch.h>
+#include <zlib.h>
+
+using namespace imgtrain;
+using namespace imgtrain::data;
+
+namespace {
+
+void write_gz(const std::string& path, const std::string& bytes) {
+  gzFile f = gzopen(path.c_str(), "wb");
+  gzwrite(f, bytes.data(), unsigned(bytes.size()));
+  gzclose(f);
+}
+
+std::string idx_bytes(std::vector<uint32_t> dims, size_t data_bytes, uint8_t type = 0x08) {
+  std::string s = {0, 0, char(type), char(dims.size())};
+  for (auto d : dims)
+    for (int sh = 24; sh >= 0; sh -= 8) s.push_back(char((d >> sh) & 0xff));
+  for (size_t i = 0; i < data_bytes; ++i) s.push_back(char(i % 251));
+  return s;
+}
+
+std::string user_error(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const UserError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// A photo-like test image: smooth gradients plus a few shapes.
+cv::Mat make_image(int h, int w, int seed) {
+  cv::Mat m(h, w, CV_8UC3);
+  for (int y = 0; y < h; ++y)
+    for (int x = 0; x < w; ++x)
+      m.at<cv::Vec3b>(y, x) = {uint8_t((x * 255) / w), uint8_t((y * 255) / h), uint8_t((x + y + seed * 37) % 256)};
+  cv::circle(m, {w / 2, h / 2}, std::min(h, w) / 4, {uint8_t(seed * 50), 200, 30}, -1);
+  return m;
+}
+
+std::string encode(const cv::Mat& rgb, const std::string& ext) {
+  cv::Mat bgr;
+  if (rgb.channels() == 3) cv::cvtColor(rgb, bgr, cv::COLOR_RGB2BGR);
+  else bgr = rgb;
+  std::vector<uchar> buf;
+  cv::imencode(ext, bgr, buf, {cv::IMWRITE_JPEG_QUALITY, 95});
+  return std::string(buf.begin(), buf.end());
+}
+
+}  // namespace
+
+TEST_CASE("IDX reader reads arrays and rejects malformed files", "[data][idx]") {
+  test::TempDir d("idx");
+  write_gz(d / "ok.gz", idx_bytes({3, 2, 2}, 12));
+  auto a = read_idx(d / "ok.gz");
+  CHECK(a.dims == std::vector<int64_t>{3, 2, 2});
+  REQUIRE(a.data.size() == 12);
+  CHECK(a.data[11] == 11);
+
+  write_gz(d / "magic.gz", "\x01\x02\x08\x01" + std::string(8, '\0'));
+  CHECK_THAT(user_error([&] { read_idx(d / "magic.gz"); }), Catch::Contains("wrong magic number"));
+  write_gz(d / "short.gz", idx_bytes({10, 28, 28}, 100));
+  CHECK_THAT(user_error([&] { read_idx(d / "short.gz"); }), Catch::Contains("truncated") && Catch::Contains("short.gz"));
+  write_gz(d / "type.gz", idx_bytes({2}, 8, 0x0D));
+  CHECK_THAT(user_error([&] { read_idx(d / "type.gz"); }), Catch::Contains("element type 0x0d"));
+  // A gzip stream cut in the middle.
+  write_gz(d / "full.gz", idx_bytes({1000}, 1000));
+  auto bytes = test::read_file(d / "full.gz");
+  test::write_file(d / "cut.gz", bytes.substr(0, bytes.size() / 2));
+  CHECK_THAT(user_error([&] { read_idx(d / "cut.gz"); }), Catch::Contains("cut.gz"));
+  CHECK_THAT(user_error([&] { read_idx(d / "nope.gz"); }), Catch::Contains("cannot open"));
+}
+
+TEST_CASE("Fashion-MNIST from Debian's package", "[data][idx]") {
+  if (!std::filesystem::exists(std::string(kFashionMnistDir) + "/t10k-labels-idx1-ubyte.gz")) {
+    WARN("dataset-fashion-mnist is not installed");
+    return;
+  }
+  auto ds = create_dataset("fashion-mnist", "", "validation");
+  REQUIRE(ds->size() == 10000);
+  CHECK(ds->num_classes() == 10);
+  auto img = ds->image(0);
+  CHECK(img.rows == 28);
+  CHECK(img.cols == 28);
+  CHECK(img.channels() == 1);
+  CHECK(ds->label(0) == 9);  // the first test image is an ankle boot
+  CHECK(create_dataset("fashion-mnist", "", "train")->size() == 60000);
+  CHECK_THAT(user_error([&] { create_dataset("fashion-mnist", "", "holdout"); }), Catch::Contains("holdout"));
+}
+
+TEST_CASE("ImageFolder scans classes, nested files and extensions", "[data][folder]") {
+  test::TempDir d("folder");
+  auto png = encode(make_image(20, 30, 1), ".png");
+  test::write_file(d / "train/zebra/a.png", png);
+  test::write_file(d / "train/apple/deep/nested/b.PNG", png);
+  test::write_file(d / "train/apple/c.JPG", encode(make_image(20, 30, 2), ".jpg"));
+  test::write_file(d / "train/apple/notes.txt", "not an image");
+  test::write_file(d / "train/mango/d.bmp", encode(make_image(8, 8, 3), ".bmp"));
+  auto ds = create_dataset("", d.path.string(), "train");
+  CHECK(ds->class_names() == std::vector<std::string>{"apple", "mango", "zebra"});
+  REQUIRE(ds->size() == 4);
+  std::vector<int64_t> labels;
+  for (size_t i = 0; i < ds->size(); ++i) labels.push_back(ds->label(i));
+  CHECK(labels == std::vector<int64_t>{0, 0, 1, 2});
+  CHECK(ds->image(3).channels() == 3);
+}
+
+TEST_CASE("split folder synonyms and empty splits", "[data][folder]") {
+  test::TempDir d("split");
+  test::write_file(d / "val/a/x.png", encode(make_image(8, 8, 1), ".png"));
+  test::write_file(d / "training/a/x.png", encode(make_image(8, 8, 1), ".png"));
+  CHECK(find_split_folder(d.path.string(), "validation") == d / "val");
+  CHECK(find_split_folder(d.path.string(), "train") == d / "training");
+  CHECK(find_split_folder(d.path.string(), "other") == d.path.string());
+  std::filesystem::create_directories(d / "empty/eval/cls");
+  CHECK_THAT(user_error([&] { create_dataset("", d / "empty", "validation"); }),
+             Catch::Contains("no images") && Catch::Contains("empty/eval"));
+  CHECK_THAT(user_error([&] { create_dataset("", d / "missing", "train"); }), Catch::Contains("missing"));
+  CHECK_THAT(user_error([&] { create_dataset("", "", "train"); }), Catch::Contains("--data-dir"));
+}
+
+TEST_CASE("decoding JPEG, PNG variants and corrupt files", "[data][decode]") {
+  auto rgb = make_image(40, 60, 4);
+  // TurboJPEG against OpenCV's libjpeg decode of the same bytes: same library family, same IDCT.
+  auto jpg = encode(rgb, ".jpg");
+  auto ours = decode_image(jpg, "x.jpg");
+  cv::Mat ref;
+  cv::cvtColor(cv::imdecode(cv::Mat(1, int(jpg.size()), CV_8UC1, jpg.data()), cv::IMREAD_COLOR), ref,
+               cv::COLOR_BGR2RGB);
+  REQUIRE(ours.size() == ref.size());
+  CHECK(cv::norm(ours, ref, cv::NORM_INF) <= 1);
+  // Lossless PNG decodes exactly; alpha is dropped; 16-bit is scaled to 8-bit.
+  CHECK(cv::norm(decode_image(encode(rgb, ".png"), "x.png"), rgb, cv::NORM_INF) == 0);
+  cv::Mat bgra;
+  cv::cvtColor(rgb, bgra, cv::COLOR_RGB2BGRA);
+  std::vector<uchar> buf;
+  cv::imencode(".png", bgra, buf);
+  auto dec = decode_image(std::string(buf.begin(), buf.end()), "a.png");
+  CHECK(dec.channels() == 3);
+  CHECK(cv::norm(dec, rgb, cv::NORM_INF) == 0);
+  cv::Mat g16(4, 4, CV_16UC1, cv::Scalar(257 * 200));
+  cv::imencode(".png", g16, buf);
+  auto d16 = decode_image(std::string(buf.begin(), buf.end()), "g16.png");
+  CHECK(d16.depth() == CV_8U);
+  CHECK(d16.at<uint8_t>(0, 0) == 200);
+  // Grayscale JPEG stays one channel.
+  cv::Mat gray;
+  cv::cvtColor(rgb, gray, cv::COLOR_RGB2GRAY);
+  CHECK(decode_image(encode(gray, ".jpg"), "g.jpg").channels() == 1);
+  // Truncated JPEG and garbage are DecodeErrors naming the file.
+  CHECK_THROWS_WITH(decode_image(jpg.substr(0, jpg.size() / 2), "cut.jpg"), Catch::Contains("cut.jpg"));
+  CHECK_THROWS_AS(decode_image("definitely not an image", "junk.png"), DecodeError);
+}
+
+TEST_CASE("RandomResizedCrop boxes follow timm's rules", "[data][transforms]") {
+  std::mt19937_64 rng(7);
+  int fallback = 0;
+  for (int i = 0; i < 2000; ++i) {
+    auto b = random_resized_crop_box(300, 400, {0.08, 1.0}, {3.0 / 4, 4.0 / 3}, rng);
+    REQUIRE(b.top >= 0);
+    REQUIRE(b.left >= 0);
+    REQUIRE(b.top + b.height <= 300);
+    REQUIRE(b.left + b.width <= 400);
+    double area = double(b.height) * b.width / (300.0 * 400.0);
+    double ar = double(b.width) / b.height;
+    if (b.width == 400 && b.height == 300) ++fallback;
+    CHECK(area >= 0.08 * 0.95);
+    CHECK(ar >= 0.75 * 0.95);
+    CHECK(ar <= 4.0 / 3 * 1.05);
+  }
+  CHECK(fallback < 2000);
+  // Impossible request -> timm's fallback: center crop with the ratio clamped into range.
+  auto b = random_resized_crop_box(100, 100, {1.0, 1.0}, {2.0, 2.0}, rng);
+  CHECK(b.width == 100);
+  CHECK(b.height == 50);
+  CHECK(b.top == 25);
+  CHECK(b.left == 0);
+}
+
+TEST_CASE("eval transform resizes the shorter side then center crops", "[data][transforms]") {
+  // 50 rows x 100 cols, columns encode their x position.
+  cv::Mat img(50, 100, CV_8UC1);
+  for (int x = 0; x < 100; ++x) img.col(x).setTo(x * 2);
+  TransformConfig tc;
+  tc.size = 32;
+  tc.crop_pct = 0.875;  // resize to floor(32 / 0.875) = 36 -> 72 x 36, crop 32 from the middle
+  tc.channels = 1;
+  tc.interpolation = "bilinear";
+  std::mt19937_64 rng(0);
+  auto out = apply_transform(img, tc, rng);
+  REQUIRE(out.rows == 32);
+  REQUIRE(out.cols == 32);
+  // Center crop of the 72-wide resize starts at column 20 of 72, i.e. x ~ 27.8 of the source.
+  CHECK(std::abs(int(out.at<uint8_t>(16, 0)) - 56) <= 3);
+  CHECK(std::abs(int(out.at<uint8_t>(16, 31)) - 142) <= 3);
+  tc.channels = 3;
+  CHECK(apply_transform(img, tc, rng).channels() == 3);
+}
+
+TEST_CASE("train transform is a deterministic function of the sample's generator", "[data][transforms]") {
+  auto img = make_image(60, 80, 5);
+  TransformConfig tc;
+  tc.train = true;
+  tc.size = 24;
+  tc.hflip = 0.0;
+  tc.interpolation = "bilinear";
+  std::mt19937_64 r1(11), r2(11);
+  auto a = apply_transform(img, tc, r1);
+  auto b = apply_transform(img, tc, r2);
+  CHECK(cv::norm(a, b, cv::NORM_INF) == 0);
+  tc.hflip = 1.0;  // same crop (same draws come first), then always flipped
+  std::mt19937_64 r3(11);
+  auto c = apply_transform(img, tc, r3);
+  cv::Mat flipped;
+  cv::flip(a, flipped, 1);
+  CHECK(cv::norm(c, flipped, cv::NORM_INF) == 0);
+}
+
+namespace {
+class Synthetic : public Dataset {
+ public:
+  explicit Synthetic(size_t n, std::set<size_t> broken = {}) : n_(n), broken_(std::move(broken)) {}
+  size_t size() const override { return n_; }
+  int64_t label(size_t i) const override { return int64_t(i % 3); }
+  cv::Mat image(size_t i) const override {
+    if (broken_.count(i)) throw DecodeError("cannot decode 'broken-" + std::to_string(i) + "'");
+    return make_image(30 + int(i % 5), 40, int(i));
+  }
+  std::string describe(size_t i) const override { return std::to_string(i); }
+  int64_t num_classes() const override { return 3; }
+  std::vector<std::string> class_names() const override { return {"a", "b", "c"}; }
+
+ private:
+  size_t n_;
+  std::set<size_t> broken_;
+};
+
+std::vector<Batch> epoch_batches(Loader& l, int64_t epoch) {
+  l.start_epoch(epoch);
+  std::vector<Batch> out;
+  while (auto b = l.next()) out.push_back(*b);
+  return out;
+}
+}  // namespace
+
+TEST_CASE("loader batches are identical for any thread count", "[data][loader]") {
+  TransformConfig tc;
+  tc.train = true;
+  tc.size = 16;
+  LoaderOptions o;
+  o.batch_size = 7;
+  o.shuffle = true;
+  o.drop_last = true;
+  o.seed = 3;
+  auto ds = std::make_shared<Synthetic>(40);
+  o.workers = 0;
+  Loader l0(ds, tc, o);
+  o.workers = 3;
+  Loader l3(ds, tc, o);
+  CHECK(l0.num_batches() == 5);  // 40 // 7, remainder dropped
+  for (int64_t epoch : {0, 1}) {
+    auto a = epoch_batches(l0, epoch), b = epoch_batches(l3, epoch);
+    REQUIRE(a.size() == 5);
+    REQUIRE(b.size() == 5);
+    for (size_t i = 0; i < a.size(); ++i) {
+      CHECK(torch::equal(a[i].images, b[i].images));
+      CHECK(torch::equal(a[i].labels, b[i].labels));
+      CHECK(a[i].images.sizes() == std::vector<int64_t>{7, 16, 16, 3});
+    }
+  }
+  // Different epochs give different orders.
+  auto e0 = epoch_batches(l0, 0), e1 = epoch_batches(l0, 1);
+  CHECK_FALSE((torch::equal(e0[0].labels, e1[0].labels) && torch::equal(e0[0].images, e1[0].images)));
+}
+
+TEST_CASE("loader skips unreadable images, warns and counts", "[data][loader]") {
+  TransformConfig tc;
+  tc.size = 8;
+  LoaderOptions o;
+  o.batch_size = 4;
+  o.workers = 2;
+  Loader l(std::make_shared<Synthetic>(10, std::set<size_t>{1, 6}), tc, o);
+  auto batches = epoch_batches(l, 0);
+  REQUIRE(batches.size() == 3);  // eval: remainder kept
+  CHECK(batches[0].images.size(0) == 3);
+  CHECK(batches[1].images.size(0) == 3);
+  CHECK(batches[2].images.size(0) == 2);
+  CHECK(l.skipped_this_epoch() == 2);
+  CHECK(batches[0].labels[1].item<int64_t>() == 2);  // sample 1 skipped: 0, 2, 3
+}

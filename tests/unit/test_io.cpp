@@ -1,0 +1,183 @@
+#include "core/error.h"
+#include "engine/checkpoint.h"
+#include "io/safetensors.h"
+#include "model_zoo/registry.h"
+#include "optim/optim.h"
+#include "test_util.h"
+
+#include <catch2/catch.hpp>
+#include <torch/torch.h>
+
+using namespace imgtrain;
+
+namespace {
+std::string le64(uint64_t v) {
+  std::string s;
+  for (int i = 0; i < 8; ++i) s.push_back(char((v >> (8 * i)) & 0xff));
+  return s;
+}
+std::string with_header(const std::string& json, const std::string& data = "") {
+  return le64(json.size()) + json + data;
+}
+std::string parse_error(const std::string& bytes) {
+  try {
+    io::parse_safetensors(bytes, "f.safetensors");
+  } catch (const UserError& e) {
+    return e.what();
+  }
+  return "";
+}
+}  // namespace
+
+TEST_CASE("safetensors round trip keeps dtypes, shapes, values and metadata", "[io]") {
+  test::TempDir d("st");
+  std::vector<std::pair<std::string, at::Tensor>> t = {
+      {"a.weight", torch::randn({3, 4})},
+      {"half", torch::randn({5}).to(torch::kHalf)},
+      {"bf", torch::randn({2, 2}).to(torch::kBFloat16)},
+      {"count", torch::tensor({int64_t(7)})},
+      {"bytes", torch::arange(10, torch::kUInt8)},
+      {"flag", torch::tensor({true, false})},
+      {"scalar", torch::tensor(3.5)},
+      {"empty", torch::zeros({0, 3})},
+      {"strided", torch::arange(12, torch::kFloat32).view({3, 4}).t()},
+  };
+  io::save_safetensors(d / "x.safetensors", t, {{"epoch", "3"}, {"arch", "resnet18"}});
+  CHECK_FALSE(std::filesystem::exists(d / "x.safetensors.tmp"));
+  auto back = io::load_safetensors(d / "x.safetensors");
+  REQUIRE(back.tensors.size() == t.size());
+  for (size_t i = 0; i < t.size(); ++i) {
+    CHECK(back.tensors[i].first == t[i].first);
+    CHECK(back.tensors[i].second.scalar_type() == t[i].second.scalar_type());
+    CHECK(torch::equal(back.tensors[i].second, t[i].second));
+  }
+  CHECK(back.metadata.at("epoch") == "3");
+  // Data section is 8-byte aligned, as the format asks.
+  auto bytes = test::read_file(d / "x.safetensors");
+  uint64_t hn = 0;
+  for (int i = 0; i < 8; ++i) hn |= uint64_t(uint8_t(bytes[i])) << (8 * i);
+  CHECK(hn % 8 == 0);
+}
+
+TEST_CASE("malformed safetensors files are refused with a reason", "[io]") {
+  CHECK_THAT(parse_error("abc"), Catch::Contains("shorter than"));
+  CHECK_THAT(parse_error(le64(1000) + "{}"), Catch::Contains("exceeds the file size"));
+  CHECK_THAT(parse_error(with_header("{not json")), Catch::Contains("not JSON"));
+  CHECK_THAT(parse_error(with_header("[1,2]")), Catch::Contains("not a JSON object"));
+  CHECK_THAT(parse_error(with_header(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", "1234")),
+             Catch::Contains("outside"));
+  CHECK_THAT(parse_error(with_header(R"({"w":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", "12345678")),
+             Catch::Contains("8 bytes for 3 elements"));
+  CHECK_THAT(parse_error(with_header(R"({"w":{"dtype":"F33","shape":[2],"data_offsets":[0,8]}})", "12345678")),
+             Catch::Contains("unsupported dtype 'F33'"));
+  CHECK_THAT(parse_error(with_header(R"({"w":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})", "12345678")),
+             Catch::Contains("negative"));
+  CHECK_THAT(parse_error(with_header(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[8,0]}})", "12345678")),
+             Catch::Contains("outside"));
+  CHECK_THAT(parse_error(with_header(R"({"w":{"dtype":"F32"}})")), Catch::Contains("lacks"));
+  CHECK_THAT(parse_error(with_header(R"({"__metadata__":{"a":1}})")), Catch::Contains("not a string"));
+  CHECK_THAT(parse_error(with_header(
+                 R"({"w":{"dtype":"U8","shape":[4294967296,4294967296],"data_offsets":[0,1]}})", "1")),
+             Catch::Contains("absurd"));
+  // A valid one still parses.
+  auto ok = io::parse_safetensors(with_header(R"({"w":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}})", "\x05\x06"),
+                                  "ok");
+  CHECK(ok.tensors.at(0).second[1].item<int>() == 6);
+}
+
+TEST_CASE("model weights load by name and mismatches are listed", "[io][checkpoint]") {
+  ModelArgs a;
+  a.num_classes = 10;
+  auto m1 = model_zoo::create_model("resnet18", a);
+  auto m2 = model_zoo::create_model("resnet18", a);
+  std::vector<std::pair<std::string, at::Tensor>> t;
+  for (auto& [k, v] : engine::state_dict(*m1)) t.emplace_back("model." + k, v);
+  test::TempDir d("ck");
+  io::save_safetensors(d / "m.safetensors", t);
+  auto st = io::load_safetensors(d / "m.safetensors");
+  CHECK(engine::weights_prefix(st, true) == "model.");
+  engine::load_state_dict(*m2, st, "model.", "m");
+  for (auto& [k, v] : engine::state_dict(*m2)) CHECK(torch::equal(v, *st.find("model." + k)));
+
+  a.num_classes = 5;
+  auto m3 = model_zoo::create_model("resnet18", a);
+  try {
+    engine::load_state_dict(*m3, st, "model.", "m.safetensors");
+    FAIL("expected an error");
+  } catch (const UserError& e) {
+    CHECK_THAT(e.what(), Catch::Contains("wrong shape fc.weight (10x512 in file, 5x512 in model)"));
+  }
+  st.tensors.erase(st.tensors.begin());
+  st.tensors.emplace_back("model.extra", torch::zeros({1}));
+  try {
+    engine::load_state_dict(*m2, st, "model.", "m.safetensors");
+    FAIL("expected an error");
+  } catch (const UserError& e) {
+    CHECK_THAT(e.what(), Catch::Contains("missing conv1.weight") && Catch::Contains("unexpected extra"));
+  }
+}
+
+TEST_CASE("CheckpointSaver keeps the best N, last and model_best", "[io][checkpoint]") {
+  test::TempDir d("saver");
+  engine::CheckpointSaver s(d.path.string(), 2, false);
+  std::vector<double> metrics = {1.0, 3.0, 2.0, 5.0, 4.0};
+  for (size_t e = 0; e < metrics.size(); ++e)
+    s.save(int64_t(e), metrics[e], [&](const std::string& p) {
+      io::save_safetensors(p, {{"epoch", torch::tensor({int64_t(e)})}});
+    });
+  auto epoch_in = [&](const std::string& name) {
+    return io::load_safetensors(d / name).find("epoch")->item<int64_t>();
+  };
+  CHECK(epoch_in("last.safetensors") == 4);
+  CHECK(epoch_in("model_best.safetensors") == 3);
+  CHECK(s.best_epoch == 3);
+  CHECK(std::filesystem::exists(d / "checkpoint-3.safetensors"));
+  CHECK(std::filesystem::exists(d / "checkpoint-4.safetensors"));
+  CHECK_FALSE(std::filesystem::exists(d / "checkpoint-1.safetensors"));
+  CHECK_FALSE(std::filesystem::exists(d / "checkpoint-0.safetensors"));
+  CHECK_FALSE(std::filesystem::exists(d / "checkpoint-2.safetensors"));
+  // Lower is better for loss.
+  test::TempDir d2("saver");
+  engine::CheckpointSaver l(d2.path.string(), 1, true);
+  for (int e = 0; e < 3; ++e) l.save(e, 3.0 - (e == 1 ? 2.5 : 0.0), [](const std::string& p) { io::save_safetensors(p, {}); });
+  CHECK(l.best_epoch == 1);
+}
+
+TEST_CASE("optimizer state survives a save/load round trip exactly", "[io][optim]") {
+  for (std::string name : {"sgd", "adamw"}) {
+    auto make = [&](at::Tensor init) {
+      std::vector<std::pair<std::string, at::Tensor>> p = {{"w", init.clone().requires_grad_(true)},
+                                                            {"b.bias", torch::zeros({3}).requires_grad_(true)}};
+      optim::OptimizerArgs oa;
+      oa.opt = name;
+      oa.lr = 0.05;
+      oa.weight_decay = 0.01;
+      return std::make_pair(p, optim::create_optimizer(oa, p));
+    };
+    torch::manual_seed(0);
+    auto w0 = torch::randn({3, 3});
+    auto [pa, oa] = make(w0);
+    auto step = [](auto& params, auto& opt, int k) {
+      opt->zero_grad();
+      auto loss = (params[0].second * (k + 1)).pow(2).sum() + params[1].second.sum() * k;
+      loss.backward();
+      opt->step();
+    };
+    for (int k = 0; k < 3; ++k) step(pa, oa, k);
+    // Copy parameters and optimizer state to a fresh optimizer, continue both.
+    auto [pb, ob] = make(pa[0].second.detach());
+    {
+      torch::NoGradGuard ng;
+      pb[1].second.copy_(pa[1].second);
+    }
+    std::map<std::string, at::Tensor> st;
+    for (auto& [k, v] : oa->state()) st[k] = v.clone();
+    ob->load_state(st);
+    for (int k = 3; k < 5; ++k) {
+      step(pa, oa, k);
+      step(pb, ob, k);
+    }
+    CHECK(torch::equal(pa[0].second, pb[0].second));
+    CHECK(torch::equal(pa[1].second, pb[1].second));
+  }
+}
