@@ -3,6 +3,6 @@
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 "$here/scripts/setup.sh"
-"$here/scripts/build.sh"
+IMGTRAIN_TARGET=imgtrain "$here/scripts/build.sh"
 cd "$here"
 exec build/bin/imgtrain train -c configs/fashion_mnist.yaml "$@"

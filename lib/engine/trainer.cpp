@@ -3,6 +3,7 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "data/loader.h"
+#include "data/normalize.h"
 #include "engine/checkpoint.h"
 #include "model_zoo/registry.h"
 #include "optim/optim.h"
@@ -73,17 +74,12 @@ DataConfig resolve_data_config(const cli::Config& c, const ModelDefaults& d) {
   return dc;
 }
 
-// timm's prefetcher does this on the device: uint8 NHWC -> float NCHW, (x - 255 mean) / (255 std).
+// timm's prefetcher: the uint8 batch goes to the device as is, normalisation happens there.
 struct Normalizer {
-  at::Tensor mean, std;
-  Normalizer(const DataConfig& dc, torch::Device dev) {
-    auto o = torch::TensorOptions().dtype(torch::kFloat32);
-    mean = (torch::tensor(dc.mean, o) * 255).view({1, -1, 1, 1}).to(dev);
-    std = (torch::tensor(dc.std, o) * 255).view({1, -1, 1, 1}).to(dev);
-  }
+  std::vector<double> mean, std;
+  explicit Normalizer(const DataConfig& dc) : mean(dc.mean), std(dc.std) {}
   at::Tensor operator()(const at::Tensor& nhwc_u8, torch::Device dev) const {
-    auto x = nhwc_u8.to(dev, /*non_blocking=*/true).permute({0, 3, 1, 2}).to(torch::kFloat32).contiguous();
-    return x.sub_(mean).div_(std);
+    return data::normalize_nhwc_u8(nhwc_u8.to(dev, /*non_blocking=*/true), mean, std);
   }
 };
 
@@ -230,7 +226,7 @@ int train(const cli::Config& cfg) {
   elo.shuffle = false;
   elo.drop_last = false;
   data::Loader eval_loader(eval_ds, eval_tc, elo);
-  const Normalizer norm(dc, device);
+  const Normalizer norm(dc);
 
   // timm: lr unset -> lr_base scaled by the global batch size.
   double lr;
@@ -314,6 +310,7 @@ int train(const cli::Config& cfg) {
 
   const int64_t updates_per_epoch = int64_t(train_loader.num_batches());
   EvalMetrics last_eval;
+  const auto fit_start = Clock::now();
   for (int64_t epoch = start_epoch; epoch < cfg.epochs; ++epoch) {
     optimizer->set_lr(scheduler.lr_at(epoch));
     model->train();
@@ -394,6 +391,8 @@ int train(const cli::Config& cfg) {
     });
   }
   if (saver.best_metric) log::info("*** Best metric: {} (epoch {})", *saver.best_metric, saver.best_epoch);
+  log::info("Training time: {:.1f} min for epochs {}..{}", seconds_since(fit_start) / 60.0, start_epoch,
+            cfg.epochs - 1);
   if (last_eval.count)
     log::info("Final test accuracy: {:.4f} (top-1 of the last epoch on {} images)", last_eval.top1 / 100.0,
               last_eval.count);
@@ -442,7 +441,7 @@ int validate(const cli::Config& cfg) {
   lo.workers = cfg.workers;
   lo.pin_memory = cfg.pin_mem && device.is_cuda();
   data::Loader loader(ds, tc, lo);
-  auto m = evaluate(*model, loader, Normalizer(dc, device), device, cfg.log_interval, true);
+  auto m = evaluate(*model, loader, Normalizer(dc), device, cfg.log_interval, true);
   log::info(" * Acc@1 {:.3f} ({:.3f}) Acc@5 {:.3f} ({:.3f})", m.top1, 100 - m.top1, m.top5, 100 - m.top5);
 
   auto round_to = [](double v, int digits) {

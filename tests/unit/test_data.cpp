@@ -1,6 +1,7 @@
 #include "core/error.h"
 #include "data/dataset.h"
 #include "data/loader.h"
+#include "data/normalize.h"
 #include "data/transforms.h"
 #include "test_util.h"
 
@@ -297,4 +298,20 @@ TEST_CASE("loader skips unreadable images, warns and counts", "[data][loader]") 
   CHECK(batches[2].images.size(0) == 2);
   CHECK(l.skipped_this_epoch() == 2);
   CHECK(batches[0].labels[1].item<int64_t>() == 2);  // sample 1 skipped: 0, 2, 3
+}
+
+TEST_CASE("device normalisation matches the per-element formula", "[data][normalize]") {
+  auto x = torch::randint(0, 256, {2, 5, 7, 3}, torch::kUInt8);
+  std::vector<double> mean{0.485, 0.456, 0.406}, sd{0.229, 0.224, 0.225};
+  auto y = normalize_nhwc_u8(x, mean, sd);
+  REQUIRE(y.sizes() == std::vector<int64_t>{2, 3, 5, 7});
+  auto xa = x.accessor<uint8_t, 4>();
+  auto ya = y.accessor<float, 4>();
+  double worst = 0;
+  for (int n = 0; n < 2; ++n)
+    for (int c = 0; c < 3; ++c)
+      for (int h = 0; h < 5; ++h)
+        for (int w = 0; w < 7; ++w)
+          worst = std::max(worst, std::abs(ya[n][c][h][w] - (xa[n][h][w][c] / 255.0 - mean[c]) / sd[c]));
+  CHECK(worst < 1e-5);
 }
