@@ -3,6 +3,8 @@
 #include "model_zoo/layers/layers.h"
 #include "model_zoo/registry.h"
 
+#include <cmath>
+
 namespace imgtrain::model_zoo {
 namespace {
 
@@ -11,20 +13,34 @@ struct ResNetSpec {
   const char* name;
   bool bottleneck;
   std::array<int, 4> layers;
-  ModelDefaults defaults;
+  int cardinality = 1;
+  int base_width = 64;
+  bool deep_stem = false;  // timm stem_type='deep' with stem_width 32: three 3x3 convs
+  bool avg_down = false;   // shortcut downsampling by 2x2 average pooling, then a 1x1 conv
+  double crop_pct = 0.95;  // of the default pretrained tag (the first in `tags`)
+  std::vector<std::string> tags = {};
 };
-
-ModelDefaults rsb_defaults() {  // timm's _rcfg: the a1_in1k weights' data config
-  ModelDefaults d;
-  d.interpolation = "bicubic";
-  d.crop_pct = 0.95;
-  return d;
-}
 
 const std::vector<ResNetSpec>& specs() {
   static const std::vector<ResNetSpec> s = {
-      {"resnet18", false, {2, 2, 2, 2}, rsb_defaults()},
-      {"resnet50", true, {3, 4, 6, 3}, rsb_defaults()},
+      {"resnet18", false, {2, 2, 2, 2}, 1, 64, false, false, 0.95,
+       {"a1_in1k", "a2_in1k", "a3_in1k", "fb_ssl_yfcc100m_ft_in1k", "fb_swsl_ig1b_ft_in1k", "gluon_in1k", "tv_in1k"}},
+      {"resnet34", false, {3, 4, 6, 3}, 1, 64, false, false, 0.95,
+       {"a1_in1k", "a2_in1k", "a3_in1k", "bt_in1k", "gluon_in1k", "ra4_e3600_r224_in1k", "tv_in1k"}},
+      {"resnet50", true, {3, 4, 6, 3}, 1, 64, false, false, 0.95,
+       {"a1_in1k", "a1h_in1k", "a2_in1k", "a3_in1k", "am_in1k", "b1k_in1k", "b2k_in1k", "bt_in1k", "c1_in1k",
+        "c2_in1k", "d_in1k", "fb_ssl_yfcc100m_ft_in1k", "fb_swsl_ig1b_ft_in1k", "gluon_in1k", "ra_in1k", "ram_in1k",
+        "tv2_in1k", "tv_in1k"}},
+      {"resnet101", true, {3, 4, 23, 3}, 1, 64, false, false, 0.95,
+       {"a1h_in1k", "a1_in1k", "a2_in1k", "a3_in1k", "gluon_in1k", "tv2_in1k", "tv_in1k"}},
+      {"resnet152", true, {3, 8, 36, 3}, 1, 64, false, false, 0.95,
+       {"a1h_in1k", "a1_in1k", "a2_in1k", "a3_in1k", "gluon_in1k", "tv2_in1k", "tv_in1k"}},
+      {"resnext50_32x4d", true, {3, 4, 6, 3}, 32, 4, false, false, 0.95,
+       {"a1h_in1k", "a1_in1k", "a2_in1k", "a3_in1k", "fb_ssl_yfcc100m_ft_in1k", "fb_swsl_ig1b_ft_in1k",
+        "gluon_in1k", "ra_in1k", "tv2_in1k", "tv_in1k"}},
+      {"resnet50d", true, {3, 4, 6, 3}, 1, 64, true, true, 0.875,
+       {"ra2_in1k", "a1_in1k", "a2_in1k", "a3_in1k", "gluon_in1k", "ra4_e3600_r224_in1k"}},
+      {"resnet26d", true, {2, 2, 2, 2}, 1, 64, true, true, 0.875, {"bt_in1k"}},
   };
   return s;
 }
@@ -76,12 +92,13 @@ struct BottleneckImpl : BlockImpl {
   torch::nn::Sequential downsample{nullptr};
   double drop_path_rate;
 
-  BottleneckImpl(int64_t inplanes, int64_t planes, int64_t stride, torch::nn::Sequential ds, double dpr)
+  BottleneckImpl(int64_t inplanes, int64_t planes, int64_t stride, torch::nn::Sequential ds, double dpr,
+                 int cardinality, int base_width)
       : drop_path_rate(dpr) {
-    int64_t width = planes;  // base_width 64, cardinality 1
+    const int64_t width = int64_t(std::floor(double(planes) * base_width / 64.0)) * cardinality;
     conv1 = register_module("conv1", conv(inplanes, width, 1));
     bn1 = register_module("bn1", BatchNorm2d(width));
-    conv2 = register_module("conv2", conv(width, width, 3, stride, 1));
+    conv2 = register_module("conv2", Conv2d(Conv2dOptions(width, width, 3).stride(stride).padding(1).groups(cardinality).bias(false)));
     bn2 = register_module("bn2", BatchNorm2d(width));
     conv3 = register_module("conv3", conv(width, planes * expansion, 1));
     bn3 = register_module("bn3", BatchNorm2d(planes * expansion));
@@ -105,12 +122,25 @@ class ResNetImpl : public ClassifierImpl {
   ResNetImpl(const ResNetSpec& spec, const ModelArgs& a) : num_classes_(a.num_classes), drop_rate_(a.drop_rate) {
     if (a.global_pool != "avg")
       throw std::invalid_argument("resnet: only global_pool='avg' is implemented, got '" + a.global_pool + "'");
-    conv1_ = register_module("conv1", conv(a.in_chans, 64, 7, 2, 3));
-    bn1_ = register_module("bn1", BatchNorm2d(64));
+    const int64_t stem_width = 32;
+    int64_t inplanes = spec.deep_stem ? stem_width * 2 : 64;
+    if (spec.deep_stem) {
+      torch::nn::Sequential stem;
+      stem->push_back("0", conv(a.in_chans, stem_width, 3, 2, 1));
+      stem->push_back("1", BatchNorm2d(stem_width));
+      stem->push_back("2", torch::nn::ReLU());
+      stem->push_back("3", conv(stem_width, stem_width, 3, 1, 1));
+      stem->push_back("4", BatchNorm2d(stem_width));
+      stem->push_back("5", torch::nn::ReLU());
+      stem->push_back("6", conv(stem_width, inplanes, 3, 1, 1));
+      stem_ = register_module("conv1", stem);
+    } else {
+      conv1_ = register_module("conv1", conv(a.in_chans, inplanes, 7, 2, 3));
+    }
+    bn1_ = register_module("bn1", BatchNorm2d(inplanes));
     const int64_t expansion = spec.bottleneck ? 4 : 1;
     int total = 0;
     for (int n : spec.layers) total += n;
-    int64_t inplanes = 64;
     int block_idx = 0;
     for (int stage = 0; stage < 4; ++stage) {
       int64_t planes = int64_t(64) << stage;
@@ -121,13 +151,23 @@ class ResNetImpl : public ClassifierImpl {
         torch::nn::Sequential ds{nullptr};
         if (b == 0 && (s != 1 || inplanes != planes * expansion)) {
           ds = torch::nn::Sequential();
-          ds->push_back("0", conv(inplanes, planes * expansion, 1, s, 0));
-          ds->push_back("1", BatchNorm2d(planes * expansion));
+          if (spec.avg_down) {  // timm downsample_avg: pool (or identity), 1x1 conv, norm
+            if (s != 1)
+              ds->push_back("0", torch::nn::AvgPool2d(
+                                     torch::nn::AvgPool2dOptions(2).stride(s).ceil_mode(true).count_include_pad(false)));
+            else
+              ds->push_back("0", torch::nn::Identity());
+            ds->push_back("1", conv(inplanes, planes * expansion, 1, 1, 0));
+            ds->push_back("2", BatchNorm2d(planes * expansion));
+          } else {
+            ds->push_back("0", conv(inplanes, planes * expansion, 1, s, 0));
+            ds->push_back("1", BatchNorm2d(planes * expansion));
+          }
         }
         double dpr = total > 1 ? a.drop_path_rate * block_idx / (total - 1) : 0.0;
         std::shared_ptr<BlockImpl> blk;
         if (spec.bottleneck)
-          blk = std::make_shared<BottleneckImpl>(inplanes, planes, s, ds, dpr);
+          blk = std::make_shared<BottleneckImpl>(inplanes, planes, s, ds, dpr, spec.cardinality, spec.base_width);
         else
           blk = std::make_shared<BasicBlockImpl>(inplanes, planes, s, ds, dpr);
         seq->push_back(std::to_string(b), torch::nn::AnyModule(blk));
@@ -142,7 +182,7 @@ class ResNetImpl : public ClassifierImpl {
   }
 
   at::Tensor forward_features(const at::Tensor& in) override {
-    auto x = torch::relu(bn1_(conv1_(in)));
+    auto x = torch::relu(bn1_(stem_ ? stem_->forward(in) : conv1_(in)));
     x = torch::max_pool2d(x, 3, 2, 1);
     for (auto& s : stages_) x = s->forward(x);
     return x;
@@ -168,6 +208,7 @@ class ResNetImpl : public ClassifierImpl {
   int64_t num_classes_, num_features_ = 0;
   double drop_rate_;
   Conv2d conv1_{nullptr};
+  torch::nn::Sequential stem_{nullptr};
   BatchNorm2d bn1_{nullptr};
   std::vector<torch::nn::Sequential> stages_;
   std::vector<std::shared_ptr<BlockImpl>> blocks_;
@@ -178,8 +219,12 @@ class ResNetImpl : public ClassifierImpl {
 
 void register_resnet(Registry<ModelEntry>& r) {
   for (auto& spec : specs()) {
+    ModelDefaults d;  // timm's _cfg for ResNets; the default tags are bicubic
+    d.interpolation = "bicubic";
+    d.crop_pct = spec.crop_pct;
+    d.tags = spec.tags;
     r.add(spec.name, ModelEntry{[&spec](const ModelArgs& a) -> Model { return std::make_shared<ResNetImpl>(spec, a); },
-                                spec.defaults});
+                                d});
   }
 }
 

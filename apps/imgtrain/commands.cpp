@@ -40,10 +40,13 @@ int models(const std::vector<std::string>& args) {
   for (auto& n : names) {
     auto m = model_zoo::create_model(n, {});
     const auto& d = model_zoo::model_defaults(n);
-    if (verbose)
-      std::printf("%-28s %12lld  %lldx%lldx%lld  crop_pct=%.3g  %s\n", n.c_str(),
+    if (verbose) {
+      std::string tags;
+      for (auto& t : d.tags) tags += (tags.empty() ? "" : ",") + t;
+      std::printf("%-28s %12lld  %lldx%lldx%lld  crop_pct=%.3g  %-8s  %s\n", n.c_str(),
                   (long long)model_zoo::count_params(*m), (long long)d.input_size[0], (long long)d.input_size[1],
-                  (long long)d.input_size[2], d.crop_pct, d.interpolation.c_str());
+                  (long long)d.input_size[2], d.crop_pct, d.interpolation.c_str(), tags.c_str());
+    }
     else
       std::printf("%-28s %12lld\n", n.c_str(), (long long)model_zoo::count_params(*m));
   }

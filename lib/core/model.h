@@ -18,6 +18,7 @@ struct ModelDefaults {
   int64_t num_classes = 1000;
   std::string first_conv = "conv1";
   std::string classifier = "fc";
+  std::vector<std::string> tags;  // pretrained tags timm knows, the default first
 };
 
 struct ModelArgs {

@@ -34,7 +34,7 @@ def randomize_bn(model, g):
                 m.running_var.copy_(torch.rand(m.running_var.shape, generator=g) + 0.5)
 
 
-def model_refs(name, train_grads):
+def model_refs(name, train_grads, init_stats):
     g = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     model = timm.create_model(name, num_classes=10)
@@ -62,16 +62,18 @@ def model_refs(name, train_grads):
         # BN running stats after one train-mode forward (momentum 0.1).
         for k, b in model.named_buffers():
             tensors['after.' + k] = b.clone().contiguous()
-    # Initialisation statistics of a fresh model (1000 classes, timm defaults).
-    fresh = timm.create_model(name)
-    stats = {k: [v.float().mean().item(), v.float().std().item() if v.numel() > 1 else 0.0, v.numel()]
-             for k, v in fresh.state_dict().items() if v.dtype.is_floating_point}
-    meta['init_stats'] = json.dumps(stats)
+    if init_stats:  # of a fresh model (1000 classes, timm defaults)
+        fresh = timm.create_model(name)
+        stats = {k: [v.float().mean().item(), v.float().std().item() if v.numel() > 1 else 0.0, v.numel()]
+                 for k, v in fresh.state_dict().items() if v.dtype.is_floating_point}
+        meta['init_stats'] = json.dumps(stats)
     save_file(tensors, os.path.join(out, f'{name}.safetensors'), metadata=meta)
 
 
-model_refs('resnet18', True)
-model_refs('resnet50', False)
+RESNETS = ['resnet18', 'resnet34', 'resnet50', 'resnet101', 'resnet152', 'resnext50_32x4d', 'resnet50d', 'resnet26d']
+for name in RESNETS:
+    model_refs(name, train_grads=name in ('resnet18', 'resnet26d'),
+               init_stats=name in ('resnet18', 'resnet50', 'resnext50_32x4d', 'resnet26d'))
 
 # Optimizers: three steps on fixed parameters and gradients, with weight decay.
 g = torch.Generator().manual_seed(1)

@@ -26,6 +26,9 @@ double rel_diff(const at::Tensor& a, const at::Tensor& b) {
   return (a - b).norm().item<double>() / std::max(n, 1e-12);
 }
 
+const std::vector<std::string> kResNets = {"resnet18",        "resnet34",  "resnet50", "resnet101", "resnet152",
+                                           "resnext50_32x4d", "resnet50d", "resnet26d"};
+
 model_zoo::Model loaded(const std::string& name, const io::SafeTensors& st) {
   ModelArgs a;
   a.num_classes = 10;
@@ -36,7 +39,7 @@ model_zoo::Model loaded(const std::string& name, const io::SafeTensors& st) {
 }  // namespace
 
 TEST_CASE("state dict names, shapes and parameter counts equal timm's", "[parity][models]") {
-  for (std::string name : {"resnet18", "resnet50"}) {
+  for (const std::string& name : kResNets) {
     auto st = load_ref(name + ".safetensors");
     auto keys = nlohmann::json::parse(st.metadata.at("keys"));
     std::map<std::string, std::vector<int64_t>> want, have;
@@ -51,7 +54,7 @@ TEST_CASE("state dict names, shapes and parameter counts equal timm's", "[parity
 }
 
 TEST_CASE("eval-mode outputs equal timm's for the same weights", "[parity][models]") {
-  for (std::string name : {"resnet18", "resnet50"}) {
+  for (const std::string& name : kResNets) {
     auto st = load_ref(name + ".safetensors");
     auto m = loaded(name, st);
     m->eval();
@@ -63,8 +66,10 @@ TEST_CASE("eval-mode outputs equal timm's for the same weights", "[parity][model
 }
 
 TEST_CASE("train-mode loss, gradients and BN statistics equal timm's", "[parity][models]") {
-  auto st = load_ref("resnet18.safetensors");
-  auto m = loaded("resnet18", st);
+  for (std::string name : {"resnet18", "resnet26d"}) {
+  INFO(name);
+  auto st = load_ref(name + ".safetensors");
+  auto m = loaded(name, st);
   m->train();
   auto out = m->forward(*st.find("ref.train_input"));
   auto loss = torch::nn::functional::cross_entropy(
@@ -79,10 +84,11 @@ TEST_CASE("train-mode loss, gradients and BN statistics equal timm's", "[parity]
     INFO(b.key());
     CHECK(max_abs_diff(b.value().to(torch::kDouble), st.find("after." + b.key())->to(torch::kDouble)) < 1e-5);
   }
+  }
 }
 
 TEST_CASE("initialisation statistics agree with timm's within sampling error", "[parity][models]") {
-  for (std::string name : {"resnet18", "resnet50"}) {
+  for (std::string name : {"resnet18", "resnet50", "resnext50_32x4d", "resnet26d"}) {
     auto st = load_ref(name + ".safetensors");
     auto stats = nlohmann::json::parse(st.metadata.at("init_stats"));
     torch::manual_seed(123);
