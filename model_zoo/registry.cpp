@@ -14,17 +14,24 @@ const Registry<ModelEntry>& registry() {
 }
 }  // namespace
 
-const ModelEntry* find_model(const std::string& name) { return registry().find(name); }
+std::pair<std::string, std::string> split_model_name(const std::string& name) {
+  auto dot = name.find('.');
+  if (dot == std::string::npos) return {name, ""};
+  return {name.substr(0, dot), name.substr(dot + 1)};
+}
+
+const ModelEntry* find_model(const std::string& name) { return registry().find(split_model_name(name).first); }
 
 std::vector<std::string> list_models(const std::string& pattern) { return registry().names(pattern); }
 
 const ModelDefaults& model_defaults(const std::string& name) {
-  auto* e = registry().find(name);
+  auto* e = find_model(name);
   if (!e) create_model(name, {});  // throws the friendly error
   return e->defaults;
 }
 
-Model create_model(const std::string& name, const ModelArgs& args) {
+Model create_model(const std::string& full_name, const ModelArgs& args) {
+  const std::string name = split_model_name(full_name).first;
   auto* e = registry().find(name);
   if (!e) {
     auto close = closest_names(name, registry().names(), 3);

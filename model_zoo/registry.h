@@ -19,8 +19,11 @@ struct ModelEntry {
 };
 
 const ModelEntry* find_model(const std::string& name);
+// timm's "arch.tag" model names: ("resnet50", "a1_in1k"); the tag is "" when not given.
+std::pair<std::string, std::string> split_model_name(const std::string& name);
 std::vector<std::string> list_models(const std::string& pattern = "*");
-// Throws UserError naming the closest registered names when `name` is unknown.
+// Throws UserError naming the closest registered names when `name` is unknown. A ".tag" suffix
+// is accepted and ignored here (it only selects pretrained weights).
 Model create_model(const std::string& name, const ModelArgs& args);
 const ModelDefaults& model_defaults(const std::string& name);
 int64_t count_params(const torch::nn::Module& m);

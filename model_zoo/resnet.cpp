@@ -223,6 +223,7 @@ void register_resnet(Registry<ModelEntry>& r) {
     d.interpolation = "bicubic";
     d.crop_pct = spec.crop_pct;
     d.tags = spec.tags;
+    d.first_conv = spec.deep_stem ? "conv1.0" : "conv1";
     r.add(spec.name, ModelEntry{[&spec](const ModelArgs& a) -> Model { return std::make_shared<ResNetImpl>(spec, a); },
                                 d});
   }

@@ -3,11 +3,13 @@
 #include "cli/config.h"
 #include "core/error.h"
 #include "engine/trainer.h"
+#include "io/weights.h"
 #include "model_zoo/registry.h"
 
 #include <torch/torch.h>
 
 #include <cstdio>
+#include <cxxopts.hpp>
 
 namespace imgtrain::app {
 
@@ -50,6 +52,48 @@ int models(const std::vector<std::string>& args) {
     else
       std::printf("%-28s %12lld\n", n.c_str(), (long long)model_zoo::count_params(*m));
   }
+  return 0;
+}
+
+int export_weights(const std::vector<std::string>& args) {
+  cxxopts::Options opts("imgtrain export", "Write a checkpoint's weights as a plain state dict with timm's names");
+  opts.add_options()("checkpoint", "Checkpoint written by imgtrain train", cxxopts::value<std::string>())(
+      "use-ema", "Export the EMA weights")("out", "Output file (.safetensors)", cxxopts::value<std::string>())(
+      "h,help", "Show this help");
+  std::vector<std::string> a = args;
+  std::vector<char*> argv{const_cast<char*>("imgtrain export")};
+  for (auto& s : a) argv.push_back(s.data());
+  cxxopts::ParseResult r;
+  try {
+    r = opts.parse(int(argv.size()), argv.data());
+  } catch (const cxxopts::exceptions::exception& e) {
+    throw UserError(std::string("export: ") + e.what());
+  }
+  if (r.count("help")) {
+    std::puts(opts.help().c_str());
+    return 0;
+  }
+  if (!r.count("checkpoint") || !r.count("out")) throw UserError("export needs --checkpoint FILE and --out FILE.safetensors");
+  const auto ckpt = r["checkpoint"].as<std::string>(), out = r["out"].as<std::string>();
+  if (out.size() < 12 || out.substr(out.size() - 12) != ".safetensors")
+    throw UserError(fmt::format("--out '{}': expected a file name ending in .safetensors (timm picks the loader by it)", out));
+  auto st = io::load_safetensors(ckpt);
+  const bool ema = r.count("use-ema") > 0;
+  const std::string prefix = io::weights_prefix(st, ema);
+  if (ema && prefix != "ema.") throw UserError(fmt::format("--use-ema: '{}' has no EMA weights", ckpt));
+  // Check the weights against the architecture they claim before writing them out.
+  if (auto arch = st.metadata.find("arch"); arch != st.metadata.end()) {
+    ModelArgs margs;
+    if (auto n = st.metadata.find("num_classes"); n != st.metadata.end()) margs.num_classes = std::stoll(n->second);
+    if (auto c = st.metadata.find("in_chans"); c != st.metadata.end()) margs.in_chans = std::stoll(c->second);
+    auto model = model_zoo::create_model(arch->second, margs);
+    io::load_state_dict(*model, st, prefix, ckpt);
+  }
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  for (auto& [k, v] : st.tensors)
+    if (prefix.empty() || k.rfind(prefix, 0) == 0) tensors.emplace_back(k.substr(prefix.size()), v);
+  io::save_safetensors(out, tensors, {{"format", "pt"}});
+  std::printf("Wrote %zu tensors (%s weights) to %s\n", tensors.size(), ema ? "EMA" : "model", out.c_str());
   return 0;
 }
 

@@ -21,6 +21,7 @@ const char* kUsage =
     "  train       train a model (timm train.py flags; -c config.yaml)\n"
     "  validate    evaluate a checkpoint (timm validate.py flags)\n"
     "  models      list models: imgtrain models ['resnet*'] [--verbose]\n"
+    "  export      write a checkpoint's weights as a plain timm state dict (safetensors)\n"
     "\n"
     "imgtrain <command> --help shows the command's flags; imgtrain --version the version.\n";
 }
@@ -37,7 +38,8 @@ int main(int argc, char** argv) {
     if (cmd == "train") return imgtrain::app::train(args);
     if (cmd == "validate") return imgtrain::app::validate(args);
     if (cmd == "models") return imgtrain::app::models(args);
-    std::fprintf(stderr, "imgtrain: unknown command '%s' (expected train, validate or models)\n", cmd.c_str());
+    if (cmd == "export") return imgtrain::app::export_weights(args);
+    std::fprintf(stderr, "imgtrain: unknown command '%s' (expected train, validate, models or export)\n", cmd.c_str());
     return 2;
   } catch (const imgtrain::UserError& e) {
     std::fprintf(stderr, "imgtrain: error: %s\n", e.what());

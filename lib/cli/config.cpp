@@ -43,6 +43,9 @@ const std::vector<Flag>& flags() {
   static const std::vector<Flag> f = {
       // model
       {"model", "", &Config::model, "Name of model to train (see `imgtrain models`)", BOTH},
+      {"pretrained", "", &Config::pretrained,
+       "Start from timm's pretrained weights in the Hugging Face cache (offline; --model name.tag picks a tag)", BOTH},
+      {"pretrained-path", "", &Config::pretrained_path, "Start from the weights in this safetensors file", BOTH},
       {"initial-checkpoint", "", &Config::initial_checkpoint, "Load this checkpoint's weights before training"},
       {"resume", "", &Config::resume, "Resume model, optimizer and schedule from this checkpoint"},
       {"no-resume-opt", "", &Config::no_resume_opt, "Do not restore optimizer state when resuming"},

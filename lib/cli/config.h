@@ -12,6 +12,8 @@ namespace imgtrain::cli {
 struct Config {
   // model
   std::string model = "resnet50";
+  bool pretrained = false;
+  std::string pretrained_path;
   std::string initial_checkpoint;
   std::string resume;
   bool no_resume_opt = false;

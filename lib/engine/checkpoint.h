@@ -4,8 +4,6 @@
 #pragma once
 #include "io/safetensors.h"
 
-#include <torch/nn/module.h>
-
 #include <functional>
 #include <map>
 #include <optional>
@@ -13,17 +11,6 @@
 #include <vector>
 
 namespace imgtrain::engine {
-
-// Parameters and buffers under their module paths: timm's state dict.
-std::vector<std::pair<std::string, at::Tensor>> state_dict(const torch::nn::Module& m);
-
-// Copies tensors named `prefix + key` into the module's state; every key must match by name and
-// shape, otherwise a UserError lists what is missing, unexpected or of the wrong shape.
-void load_state_dict(torch::nn::Module& m, const io::SafeTensors& st, const std::string& prefix, const std::string& what);
-
-// The weights of a checkpoint or plain state-dict file: "ema." if present and preferred, else
-// "model.", else unprefixed keys.
-std::string weights_prefix(const io::SafeTensors& st, bool prefer_ema);
 
 class CheckpointSaver {
  public:

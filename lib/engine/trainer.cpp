@@ -5,6 +5,7 @@
 #include "data/loader.h"
 #include "data/normalize.h"
 #include "engine/checkpoint.h"
+#include "io/weights.h"
 #include "model_zoo/registry.h"
 #include "optim/optim.h"
 
@@ -165,10 +166,28 @@ void require_file(const std::string& path, const char* flag) {
     throw UserError(fmt::format("{} '{}': cannot open the file", flag, path));
 }
 
+// --pretrained-path FILE, or --pretrained from the offline Hugging Face cache.
+void load_pretrained_weights(ClassifierImpl& model, const cli::Config& cfg, const ModelDefaults& d) {
+  if (!cfg.pretrained && cfg.pretrained_path.empty()) return;
+  std::string path = cfg.pretrained_path;
+  if (path.empty()) {
+    auto [arch, tag] = model_zoo::split_model_name(cfg.model);
+    if (tag.empty()) {
+      if (d.tags.empty()) throw UserError(fmt::format("--pretrained: timm has no pretrained weights for {}", arch));
+      tag = d.tags.front();
+    }
+    path = io::find_hub_weights(arch, tag);
+  }
+  auto st = io::load_safetensors(path);
+  auto note = io::load_pretrained(model, st, {d.first_conv, d.classifier}, path);
+  log::info("Loaded pretrained weights from '{}'{}", path, note.empty() ? "" : " (" + note + ")");
+}
+
 }  // namespace
 
 int train(const cli::Config& cfg) {
   require_file(cfg.resume, "--resume");
+  require_file(cfg.pretrained_path, "--pretrained-path");
   require_file(cfg.initial_checkpoint, "--initial-checkpoint");
   torch::manual_seed(uint64_t(cfg.seed));
   const auto device = resolve_device(cfg.device);
@@ -191,10 +210,11 @@ int train(const cli::Config& cfg) {
   margs.drop_path_rate = cfg.drop_path.value_or(0.0);
   auto model = model_zoo::create_model(cfg.model, margs);
   log::info("Model {} created, param count:{}", cfg.model, model_zoo::count_params(*model));
+  load_pretrained_weights(*model, cfg, defaults);
 
   if (!cfg.initial_checkpoint.empty()) {
     auto st = io::load_safetensors(cfg.initial_checkpoint);
-    load_state_dict(*model, st, weights_prefix(st, true), cfg.initial_checkpoint);
+    io::load_state_dict(*model, st, io::weights_prefix(st, true), cfg.initial_checkpoint);
     log::info("Loaded weights from '{}'", cfg.initial_checkpoint);
   }
   model->to(device);
@@ -289,7 +309,7 @@ int train(const cli::Config& cfg) {
     if (meta("arch") != cfg.model)
       throw UserError(fmt::format("--resume '{}': checkpoint is a {}, but --model is {}", cfg.resume, meta("arch"),
                                   cfg.model));
-    load_state_dict(*model, st, "model.", cfg.resume);
+    io::load_state_dict(*model, st, "model.", cfg.resume);
     if (!cfg.no_resume_opt) {
       std::map<std::string, at::Tensor> ost;
       for (auto& [k, v] : st.tensors)
@@ -373,7 +393,7 @@ int train(const cli::Config& cfg) {
     const int64_t best_epoch = new_best ? epoch : saver.best_epoch;
     saver.save(epoch, metric, [&](const std::string& path) {
       std::vector<std::pair<std::string, at::Tensor>> tensors;
-      for (auto& [k, v] : state_dict(*model)) tensors.emplace_back("model." + k, v);
+      for (auto& [k, v] : io::state_dict(*model)) tensors.emplace_back("model." + k, v);
       for (auto& [k, v] : optimizer->state()) tensors.emplace_back("optim." + k, v);
       tensors.emplace_back("rng.cpu", at::detail::getDefaultCPUGenerator().get_state());
       std::map<std::string, std::string> md{{"epoch", std::to_string(epoch)},
@@ -401,10 +421,13 @@ int train(const cli::Config& cfg) {
 }
 
 int validate(const cli::Config& cfg) {
-  if (cfg.checkpoint.empty()) throw UserError("--checkpoint is required for validate");
+  if (cfg.checkpoint.empty() && !cfg.pretrained && cfg.pretrained_path.empty())
+    throw UserError("validate needs --checkpoint FILE, --pretrained or --pretrained-path FILE");
   require_file(cfg.checkpoint, "--checkpoint");
+  require_file(cfg.pretrained_path, "--pretrained-path");
   const auto device = resolve_device(cfg.device);
-  auto st = io::load_safetensors(cfg.checkpoint);
+  io::SafeTensors st;
+  if (!cfg.checkpoint.empty()) st = io::load_safetensors(cfg.checkpoint);
   auto meta_int = [&](const char* k) -> std::optional<int64_t> {
     auto it = st.metadata.find(k);
     if (it == st.metadata.end()) return std::nullopt;
@@ -426,7 +449,10 @@ int validate(const cli::Config& cfg) {
   margs.num_classes = num_classes;
   margs.in_chans = dc.in_chans;
   auto model = model_zoo::create_model(arch, margs);
-  load_state_dict(*model, st, weights_prefix(st, cfg.use_ema), cfg.checkpoint);
+  if (!cfg.checkpoint.empty())
+    io::load_state_dict(*model, st, io::weights_prefix(st, cfg.use_ema), cfg.checkpoint);
+  else
+    load_pretrained_weights(*model, c, defaults);
   model->to(device);
   const int64_t params = model_zoo::count_params(*model);
   log::info("Model {} created, param count: {}", arch, params);

@@ -1,6 +1,7 @@
 // Drives the real imgtrain binary on small real data: Fashion-MNIST images written as PNG folders.
 #include "data/dataset.h"
 #include "engine/checkpoint.h"
+#include "io/weights.h"
 #include "io/safetensors.h"
 #include "model_zoo/registry.h"
 #include "test_util.h"
@@ -122,19 +123,60 @@ TEST_CASE("trains far above chance, validates, resumes at the next epoch, loads 
   a.num_classes = 10;
   a.in_chans = 1;
   auto model = model_zoo::create_model("resnet18", a);
-  engine::load_state_dict(*model, st, "model.", "last");
+  io::load_state_dict(*model, st, "model.", "last");
   model->eval();
   torch::manual_seed(5);
   auto x = torch::randn({3, 1, 28, 28});
   torch::NoGradGuard ng;
   auto y = model->forward(x);
   io::save_safetensors(out / "x.safetensors", {{"x", x}});
-  auto py = test::run(kPython + " " + IMGTRAIN_SOURCE_DIR + "/tests/parity/timm_forward.py " + run +
-                      "/last.safetensors resnet18 10 1 " + (out / "x.safetensors") + " " + (out / "y.safetensors"));
-  INFO(py.output);
-  REQUIRE(py.code == 0);
-  auto ty = *io::load_safetensors(out / "y.safetensors").find("y");
-  CHECK((ty - y).abs().max().item<double>() < 1e-4);
+  auto timm_out = [&](const std::string& mode, const std::string& file) {
+    auto py = test::run(kPython + " " + IMGTRAIN_SOURCE_DIR + "/tests/parity/timm_forward.py " + mode + " " + file +
+                        " resnet18 10 1 " + (out / "x.safetensors") + " " + (out / "y.safetensors"));
+    INFO(py.output);
+    REQUIRE(py.code == 0);
+    return *io::load_safetensors(out / "y.safetensors").find("y");
+  };
+  CHECK((timm_out("checkpoint", run + "/last.safetensors") - y).abs().max().item<double>() < 1e-4);
+
+  // `imgtrain export` writes a plain state dict that timm's pretrained loader takes.
+  auto ex = test::run(kBin + " export --checkpoint " + run + "/last.safetensors --out " + (out / "model.safetensors"));
+  INFO(ex.output);
+  REQUIRE(ex.code == 0);
+  auto exported = io::load_safetensors(out / "model.safetensors");
+  CHECK(exported.find("conv1.weight") != nullptr);
+  CHECK(exported.find("optim.conv1.weight.momentum_buffer") == nullptr);
+  CHECK((timm_out("export", out / "model.safetensors") - y).abs().max().item<double>() < 1e-4);
+  expect_user_error(test::run(kBin + " export --checkpoint " + run + "/last.safetensors --out " + (out / "m.bin")),
+                    ".safetensors");
+  expect_user_error(test::run(kBin + " export --checkpoint " + run + "/last.safetensors --use-ema --out " +
+                              (out / "e.safetensors")),
+                    "no EMA weights");
+}
+
+TEST_CASE("pretrained timm weights are found in the offline hub cache and adapted", "[integration]") {
+  auto data = fmnist_folder(200, 100);
+  const std::string hub = std::string(IMGTRAIN_PARITY_DIR) + "/hub";
+  auto r = test::run("HF_HUB_CACHE=" + hub + " " + kBin + " validate --pretrained --model resnet18 --data-dir " + data +
+                     " --in-chans 1 --num-classes 10 --device cpu");
+  INFO(r.output);
+  CHECK(r.code == 0);
+  CHECK_THAT(r.output, Catch::Contains("models--timm--resnet18.a1_in1k/snapshots/0123abcd/model.safetensors") &&
+                           Catch::Contains("adapted conv1.weight from 3 to 1 input channels") &&
+                           Catch::Contains("classifier fc re-initialised") && Catch::Contains("\"top1\""));
+  // An explicit tag that is not in the cache: the error says where it looked.
+  test::TempDir empty("hub");
+  expect_user_error(test::run("HF_HUB_CACHE=" + empty.path.string() + " " + kBin +
+                              " validate --pretrained --model resnet18.tv_in1k --data-dir " + data + " --device cpu"),
+                    "models--timm--resnet18.tv_in1k");
+  // --pretrained-path with timm's file trains from it.
+  test::TempDir out("pre");
+  auto t = test::run(kBin + " train --pretrained-path " + hub +
+                     "/models--timm--resnet18.a1_in1k/snapshots/0123abcd/model.safetensors --data-dir " + data +
+                     kSmallArgs + " --epochs 1 --output " + out.path.string() + " --experiment p");
+  INFO(t.output);
+  CHECK(t.code == 0);
+  CHECK_THAT(t.output, Catch::Contains("Loaded pretrained weights"));
 }
 
 TEST_CASE("a corrupt image is skipped with a warning naming it, and training completes", "[integration]") {

@@ -120,7 +120,23 @@ target = torch.tensor([0, 1, 2, 3, 4, 9])
 sched['ce.logits'] = logits
 sched['ce.target'] = target
 sched['ce.loss'] = LabelSmoothingCrossEntropy(0.1)(logits, target).reshape(1)
+# timm's adapt_input_conv for a pretrained 3-channel first conv.
+from timm.models._manipulate import adapt_input_conv
+w3 = torch.randn(4, 3, 3, 3, generator=g)
+sched['adapt.w3'] = w3
+for c in (1, 2, 4, 7):
+    sched[f'adapt.c{c}'] = adapt_input_conv(c, w3.clone()).contiguous()
 save_file(sched, os.path.join(out, 'misc.safetensors'), metadata={'no_decay': json.dumps(no_decay)})
+
+# An offline Hugging Face hub cache holding timm-format resnet18 weights (random, 1000 classes).
+snap = os.path.join(out, 'hub', 'models--timm--resnet18.a1_in1k', 'snapshots', '0123abcd')
+os.makedirs(snap, exist_ok=True)
+os.makedirs(os.path.join(out, 'hub', 'models--timm--resnet18.a1_in1k', 'refs'), exist_ok=True)
+with open(os.path.join(out, 'hub', 'models--timm--resnet18.a1_in1k', 'refs', 'main'), 'w') as f:
+    f.write('0123abcd')
+torch.manual_seed(3)
+hub_model = timm.create_model('resnet18')
+save_file({k: v.contiguous() for k, v in hub_model.state_dict().items()}, os.path.join(snap, 'model.safetensors'))
 
 # A file written by the reference safetensors library, with several dtypes.
 save_file({'f32': torch.arange(6, dtype=torch.float32).reshape(2, 3),

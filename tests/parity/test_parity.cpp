@@ -1,6 +1,7 @@
 // Compares imgtrain with timm / torch on references written by make_refs.py (same inputs).
 #include "data/loader.h"
 #include "engine/checkpoint.h"
+#include "io/weights.h"
 #include "io/safetensors.h"
 #include "model_zoo/registry.h"
 #include "optim/optim.h"
@@ -33,7 +34,7 @@ model_zoo::Model loaded(const std::string& name, const io::SafeTensors& st) {
   ModelArgs a;
   a.num_classes = 10;
   auto m = model_zoo::create_model(name, a);
-  engine::load_state_dict(*m, st, "model.", name);
+  io::load_state_dict(*m, st, "model.", name);
   return m;
 }
 }  // namespace
@@ -47,7 +48,7 @@ TEST_CASE("state dict names, shapes and parameter counts equal timm's", "[parity
     ModelArgs a;
     a.num_classes = 10;
     auto m = model_zoo::create_model(name, a);
-    for (auto& [k, v] : engine::state_dict(*m)) have[k] = v.sizes().vec();
+    for (auto& [k, v] : io::state_dict(*m)) have[k] = v.sizes().vec();
     CHECK(have == want);
     CHECK(model_zoo::count_params(*m) == std::stoll(st.metadata.at("param_count")));
   }
@@ -94,7 +95,7 @@ TEST_CASE("initialisation statistics agree with timm's within sampling error", "
     torch::manual_seed(123);
     auto m = model_zoo::create_model(name, ModelArgs{});
     size_t checked = 0;
-    for (auto& [k, v] : engine::state_dict(*m)) {
+    for (auto& [k, v] : io::state_dict(*m)) {
       if (!v.is_floating_point()) continue;
       REQUIRE(stats.contains(k));
       const double rmean = stats[k][0].get<double>();
@@ -212,4 +213,15 @@ TEST_CASE("files written by the safetensors library read back exactly", "[parity
   CHECK(torch::equal(*st.find("i64"), torch::arange(3, torch::kLong) - 1));
   CHECK(torch::equal(*st.find("u8"), torch::arange(5, torch::kUInt8)));
   CHECK(torch::equal(*st.find("b"), torch::tensor({true, false})));
+}
+
+TEST_CASE("first-conv channel adaptation equals timm's adapt_input_conv", "[parity][io]") {
+  auto st = load_ref("misc.safetensors");
+  for (int c : {1, 2, 4, 7}) {
+    INFO("in_chans " << c);
+    auto got = io::adapt_input_conv(c, *st.find("adapt.w3"));
+    auto want = *st.find("adapt.c" + std::to_string(c));
+    REQUIRE(got.sizes() == want.sizes());
+    CHECK(max_abs_diff(got, want) < 1e-6);
+  }
 }

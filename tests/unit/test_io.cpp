@@ -1,5 +1,6 @@
 #include "core/error.h"
 #include "engine/checkpoint.h"
+#include "io/weights.h"
 #include "io/safetensors.h"
 #include "model_zoo/registry.h"
 #include "optim/optim.h"
@@ -91,18 +92,18 @@ TEST_CASE("model weights load by name and mismatches are listed", "[io][checkpoi
   auto m1 = model_zoo::create_model("resnet18", a);
   auto m2 = model_zoo::create_model("resnet18", a);
   std::vector<std::pair<std::string, at::Tensor>> t;
-  for (auto& [k, v] : engine::state_dict(*m1)) t.emplace_back("model." + k, v);
+  for (auto& [k, v] : io::state_dict(*m1)) t.emplace_back("model." + k, v);
   test::TempDir d("ck");
   io::save_safetensors(d / "m.safetensors", t);
   auto st = io::load_safetensors(d / "m.safetensors");
-  CHECK(engine::weights_prefix(st, true) == "model.");
-  engine::load_state_dict(*m2, st, "model.", "m");
-  for (auto& [k, v] : engine::state_dict(*m2)) CHECK(torch::equal(v, *st.find("model." + k)));
+  CHECK(io::weights_prefix(st, true) == "model.");
+  io::load_state_dict(*m2, st, "model.", "m");
+  for (auto& [k, v] : io::state_dict(*m2)) CHECK(torch::equal(v, *st.find("model." + k)));
 
   a.num_classes = 5;
   auto m3 = model_zoo::create_model("resnet18", a);
   try {
-    engine::load_state_dict(*m3, st, "model.", "m.safetensors");
+    io::load_state_dict(*m3, st, "model.", "m.safetensors");
     FAIL("expected an error");
   } catch (const UserError& e) {
     CHECK_THAT(e.what(), Catch::Contains("wrong shape fc.weight (10x512 in file, 5x512 in model)"));
@@ -110,7 +111,7 @@ TEST_CASE("model weights load by name and mismatches are listed", "[io][checkpoi
   st.tensors.erase(st.tensors.begin());
   st.tensors.emplace_back("model.extra", torch::zeros({1}));
   try {
-    engine::load_state_dict(*m2, st, "model.", "m.safetensors");
+    io::load_state_dict(*m2, st, "model.", "m.safetensors");
     FAIL("expected an error");
   } catch (const UserError& e) {
     CHECK_THAT(e.what(), Catch::Contains("missing conv1.weight") && Catch::Contains("unexpected extra"));
@@ -180,4 +181,46 @@ TEST_CASE("optimizer state survives a save/load round trip exactly", "[io][optim
     CHECK(torch::equal(pa[0].second, pb[0].second));
     CHECK(torch::equal(pa[1].second, pb[1].second));
   }
+}
+
+TEST_CASE("pretrained loading resets a differing classifier and adapts the first conv", "[io][pretrained]") {
+  ModelArgs a;  // timm's defaults: 1000 classes, 3 channels
+  torch::manual_seed(1);
+  auto src = model_zoo::create_model("resnet18", a);
+  io::SafeTensors st;
+  for (auto& [k, v] : io::state_dict(*src)) st.tensors.emplace_back(k, v.clone());
+  a.num_classes = 10;
+  a.in_chans = 1;
+  auto dst = model_zoo::create_model("resnet18", a);
+  auto fc_before = dst->named_parameters()["fc.weight"].clone();
+  auto note = io::load_pretrained(*dst, st, {"conv1", "fc"}, "src");
+  CHECK_THAT(note, Catch::Contains("adapted conv1.weight from 3 to 1") && Catch::Contains("classifier fc"));
+  auto p = dst->named_parameters();
+  CHECK(torch::allclose(p["conv1.weight"], st.find("conv1.weight")->sum(1, true)));
+  CHECK(torch::equal(p["fc.weight"], fc_before));
+  CHECK(torch::equal(p["layer4.1.conv2.weight"], *st.find("layer4.1.conv2.weight")));
+  // Same shapes: a plain strict load, nothing adapted.
+  auto same = model_zoo::create_model("resnet18", ModelArgs{});
+  CHECK(io::load_pretrained(*same, st, {"conv1", "fc"}, "src").empty());
+  CHECK(torch::equal(same->named_parameters()["fc.weight"], *st.find("fc.weight")));
+}
+
+TEST_CASE("hub cache lookup follows refs/main and says where it looked", "[io][pretrained]") {
+  test::TempDir d("hub");
+  const std::string repo = d / "models--timm--resnet18.a1_in1k";
+  test::write_file(repo + "/snapshots/aaa/model.safetensors", io::serialize_safetensors({}, {}));
+  test::write_file(repo + "/snapshots/bbb/model.safetensors", io::serialize_safetensors({}, {}));
+  test::write_file(repo + "/refs/main", "bbb");
+  ::setenv("HF_HUB_CACHE", d.path.c_str(), 1);
+  CHECK(io::find_hub_weights("resnet18", "a1_in1k") == repo + "/snapshots/bbb/model.safetensors");
+  try {
+    io::find_hub_weights("resnet50", "a1_in1k");
+    FAIL("expected an error");
+  } catch (const UserError& e) {
+    CHECK_THAT(e.what(), Catch::Contains(d / "models--timm--resnet50.a1_in1k/snapshots/*/model.safetensors"));
+  }
+  ::unsetenv("HF_HUB_CACHE");
+  ::setenv("HF_HOME", d.path.c_str(), 1);
+  CHECK_THROWS_WITH(io::find_hub_weights("resnet18", "a1_in1k"), Catch::Contains(d / "hub/models--timm--"));
+  ::unsetenv("HF_HOME");
 }

@@ -1,0 +1,47 @@
+// Model weights by timm's state-dict names: reading them out of a model, loading them in with
+// exact name/shape checks, timm-style pretrained loading (classifier reset, first-conv channel
+// adaptation), the offline Hugging Face hub cache lookup, and plain state-dict export.
+#pragma once
+#include "io/safetensors.h"
+
+#include <torch/nn/module.h>
+
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace imgtrain::io {
+
+// Parameters and buffers under their module paths: timm's state dict.
+std::vector<std::pair<std::string, at::Tensor>> state_dict(const torch::nn::Module& m);
+
+// Copies tensors named `prefix + key` into the module; every key must match by name and shape
+// (except model keys in `keep`, which keep their values), otherwise a UserError lists what is
+// missing, unexpected or of the wrong shape.
+void load_state_dict(torch::nn::Module& m, const SafeTensors& st, const std::string& prefix, const std::string& what,
+                     const std::set<std::string>& keep = {});
+
+// The weights of a checkpoint or plain state-dict file: "ema." if present and preferred, else
+// "model.", else unprefixed keys.
+std::string weights_prefix(const SafeTensors& st, bool prefer_ema);
+
+struct PretrainedSpec {
+  std::string first_conv = "conv1";  // module path of the stem convolution
+  std::string classifier = "fc";     // module path of the classifier
+};
+
+// timm's load_pretrained for a file of (possibly different-shaped) weights: a classifier whose
+// class count differs from the model's is left at the model's initialisation; a first conv with
+// 3 input channels is adapted to the model's (summed for 1 channel, else repeated and scaled by
+// 3 / in_chans), as timm's adapt_input_conv does. Returns a note of what was adapted ("" if none).
+std::string load_pretrained(torch::nn::Module& m, const SafeTensors& st, const PretrainedSpec& spec,
+                            const std::string& what);
+at::Tensor adapt_input_conv(int64_t in_chans, const at::Tensor& weight);
+
+// Offline Hugging Face hub cache: <cache>/models--timm--<model>.<tag>/snapshots/<rev>/model.safetensors,
+// with <cache> from HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub, and <rev>
+// from refs/main when present. Throws UserError naming every place it looked.
+std::string find_hub_weights(const std::string& model, const std::string& tag);
+
+}  // namespace imgtrain::io
