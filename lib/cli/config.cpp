@@ -30,7 +30,9 @@ struct Flag {
   std::vector<std::string> choices = {};
   // Extra range check: returns "" when fine, else what would be accepted.
   std::string (*check)(double) = nullptr;
-  size_t nargs = 1;  // for list flags: exact count
+  size_t nargs = 1;  // for list flags: exact count, 0 = one or more
+  bool range = false;      // a list that is a 'low high' range
+  bool may_be_empty = false;  // a list that may be left empty (the default is then used)
 };
 
 std::string positive(double v) { return v > 0 ? "" : "a positive number"; }
@@ -63,12 +65,20 @@ const std::vector<Flag>& flags() {
        "Validation batch size (default: --batch-size)", TRAIN, {}, positive},
       {"device", "", &Config::device, "Device: auto (cuda when available), cpu, cuda, cuda:N", BOTH},
       // optimizer
-      {"opt", "", &Config::opt, "Optimizer", TRAIN, {"sgd", "momentum", "adamw"}},
+      {"opt", "", &Config::opt, "Optimizer", TRAIN, {"sgd", "momentum", "adam", "adamw", "rmsproptf"}},
+      {"opt-eps", "", &Config::opt_eps, "Optimizer epsilon (default: the optimizer's)", TRAIN, {}, positive},
+      {"opt-betas", "", &Config::opt_betas, "Optimizer betas (two numbers; default: the optimizer's)", TRAIN, {},
+       probability, 2, false, true},
+      {"clip-grad", "", &Config::clip_grad, "Clip gradients at this norm or value (default: no clipping)", TRAIN, {},
+       positive},
+      {"clip-mode", "", &Config::clip_mode, "Gradient clipping mode", TRAIN, {"norm", "value", "agc"}},
+      {"grad-accum-steps", "accumulation-steps", &Config::grad_accum_steps,
+       "Micro-batches accumulated per optimizer update", TRAIN, {}, positive},
       {"momentum", "", &Config::momentum, "Optimizer momentum", TRAIN, {}, non_negative},
       {"weight-decay", "", &Config::weight_decay, "Weight decay (none on biases and 1-D parameters)", TRAIN, {},
        non_negative},
       // schedule
-      {"sched", "", &Config::sched, "LR scheduler", TRAIN, {"cosine", "step"}},
+      {"sched", "", &Config::sched, "LR scheduler", TRAIN, {"cosine", "step", "multistep", "poly"}},
       {"lr", "", &Config::lr, "Learning rate (default: --lr-base scaled by the global batch size)", TRAIN, {},
        positive},
       {"lr-base", "", &Config::lr_base, "Base learning rate at --lr-base-size", TRAIN, {}, positive},
@@ -80,18 +90,28 @@ const std::vector<Flag>& flags() {
       {"epochs", "", &Config::epochs, "Number of epochs to train", TRAIN, {}, positive},
       {"start-epoch", "", &Config::start_epoch, "Manual epoch number (useful on restarts)", TRAIN, {}, non_negative},
       {"decay-epochs", "", &Config::decay_epochs, "Epoch interval to decay LR (step)", TRAIN, {}, positive},
+      {"decay-milestones", "", &Config::decay_milestones, "Epochs at which to decay LR (multistep)", TRAIN, {},
+       non_negative, 0},
       {"warmup-epochs", "", &Config::warmup_epochs, "Epochs to warm up LR", TRAIN, {}, non_negative},
+      {"warmup-prefix", "", &Config::warmup_prefix, "Do not count warmup epochs in the decay schedule"},
+      {"cooldown-epochs", "", &Config::cooldown_epochs, "Epochs at min_lr after a cyclic schedule ends", TRAIN, {},
+       non_negative},
       {"decay-rate", "dr", &Config::decay_rate, "LR decay rate (step)", TRAIN, {}, positive},
       // augmentation
       {"no-aug", "", &Config::no_aug, "Disable all training augmentation"},
-      {"scale", "", &Config::scale, "Random resize scale range (two numbers)", TRAIN, {}, positive, 2},
-      {"ratio", "", &Config::ratio, "Random resize aspect ratio range (two numbers)", TRAIN, {}, positive, 2},
+      {"scale", "", &Config::scale, "Random resize scale range (two numbers)", TRAIN, {}, positive, 2, true},
+      {"ratio", "", &Config::ratio, "Random resize aspect ratio range (two numbers)", TRAIN, {}, positive, 2, true},
       {"hflip", "", &Config::hflip, "Horizontal flip probability", TRAIN, {}, probability},
       {"train-interpolation", "", &Config::train_interpolation, "Training interpolation", TRAIN,
        {"random", "bilinear", "bicubic"}},
       {"smoothing", "", &Config::smoothing, "Label smoothing", TRAIN, {}, smoothing_range},
       {"drop", "", &Config::drop, "Dropout rate before the classifier", TRAIN, {}, probability},
       {"drop-path", "", &Config::drop_path, "Drop path (stochastic depth) rate", TRAIN, {}, probability},
+      // EMA
+      {"model-ema", "", &Config::model_ema, "Keep an exponential moving average of the weights (ModelEmaV3)"},
+      {"model-ema-force-cpu", "", &Config::model_ema_force_cpu, "Keep the EMA on the CPU (not validated)"},
+      {"model-ema-decay", "", &Config::model_ema_decay, "EMA decay", TRAIN, {}, probability},
+      {"model-ema-warmup", "", &Config::model_ema_warmup, "Warm the EMA decay up"},
       // data
       {"data-dir", "", &Config::data_dir, "Path to the dataset root", BOTH},
       {"dataset", "", &Config::dataset, "Dataset type: '' (ImageFolder) or fashion-mnist", BOTH,
@@ -198,14 +218,19 @@ void assign(Config& c, const Flag& f, const std::string& value, const std::strin
           c.*member = v;
         } else {
           std::vector<double> vs;
+          const std::string count = f.nargs ? fmt::format("{} numbers", f.nargs) : "one or more numbers";
+          if (value.empty() && f.may_be_empty) {
+            c.*member = vs;
+            return;
+          }
           for (auto& part : split_list(value)) {
             double v;
-            if (!parse_float(part, v)) bad(fmt::format("{} numbers", f.nargs));
+            if (!parse_float(part, v)) bad(count);
             checked(v);
             vs.push_back(v);
           }
-          if (vs.size() != f.nargs) bad(fmt::format("{} numbers", f.nargs));
-          if (vs[0] > vs[1]) bad("a range 'low high' with low <= high");
+          if (f.nargs ? vs.size() != f.nargs : vs.empty()) bad(count);
+          if (f.range && vs[0] > vs[1]) bad("a range 'low high' with low <= high");
           c.*member = vs;
         }
       },
@@ -298,10 +323,14 @@ std::optional<Config> parse(Command cmd, const std::vector<std::string>& in_args
       if (alias.size() > 1 && a.rfind(alias + "=", 0) == 0) a = std::string("--") + f.name + a.substr(alias.size());
     }
     for (auto& f : flags()) {
-      if (f.nargs > 1 && (f.cmds & bit) && a == std::string("--") + f.name) {
+      if (f.nargs != 1 && (f.cmds & bit) && a == std::string("--") + f.name) {
+        auto is_value = [](const std::string& t) {
+          return !t.empty() && (t[0] != '-' || (t.size() > 1 && (std::isdigit((unsigned char)t[1]) || t[1] == '.')));
+        };
         std::string joined;
         size_t k = 0;
-        for (; k < f.nargs && i + 1 < in_args.size(); ++k) joined += (k ? "," : "") + in_args[++i];
+        for (; (f.nargs == 0 || k < f.nargs) && i + 1 < in_args.size() && is_value(in_args[i + 1]); ++k)
+          joined += (k ? "," : "") + in_args[++i];
         a += "=" + joined;
       }
     }

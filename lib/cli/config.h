@@ -31,6 +31,11 @@ struct Config {
   std::string opt = "sgd";
   double momentum = 0.9;
   double weight_decay = 2e-5;
+  std::optional<double> opt_eps;
+  std::vector<double> opt_betas;  // empty: the optimizer's defaults
+  std::optional<double> clip_grad;
+  std::string clip_mode = "norm";
+  int64_t grad_accum_steps = 1;
   // schedule
   std::string sched = "cosine";
   std::optional<double> lr;
@@ -42,7 +47,10 @@ struct Config {
   int64_t epochs = 300;
   std::optional<int64_t> start_epoch;
   int64_t decay_epochs = 90;
+  std::vector<double> decay_milestones{90, 180, 270};
   int64_t warmup_epochs = 5;
+  bool warmup_prefix = false;
+  int64_t cooldown_epochs = 0;
   double decay_rate = 0.1;
   // augmentation / regularisation
   bool no_aug = false;
@@ -53,6 +61,11 @@ struct Config {
   double smoothing = 0.1;
   double drop = 0.0;
   std::optional<double> drop_path;
+  // EMA
+  bool model_ema = false;
+  bool model_ema_force_cpu = false;
+  double model_ema_decay = 0.9998;
+  bool model_ema_warmup = false;
   // data
   std::string data_dir;
   std::string dataset;

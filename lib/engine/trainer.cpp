@@ -103,8 +103,10 @@ std::vector<double> accuracy(const at::Tensor& out, const at::Tensor& target, co
   return res;
 }
 
+// timm's validate(): log_suffix "" or " (EMA)" in train.py; validate.py's own line format when
+// validate_style is set.
 EvalMetrics evaluate(ClassifierImpl& model, data::Loader& loader, const Normalizer& norm, torch::Device dev,
-                     int64_t log_interval, bool validate_style) {
+                     int64_t log_interval, const std::string& log_suffix, bool validate_style = false) {
   torch::NoGradGuard ng;
   model.eval();
   AverageMeter batch_time, losses, top1, top5;
@@ -136,9 +138,9 @@ EvalMetrics evaluate(ClassifierImpl& model, data::Loader& loader, const Normaliz
                   double(n) / std::max(batch_time.avg(), 1e-9), losses.val, losses.avg(), top1.val, top1.avg(),
                   top5.val, top5.avg());
       else
-        log::info("Test: [{:>4d}/{}]  Time: {:.3f} ({:.3f})  Loss: {:>7.3f} ({:>6.3f})  "
+        log::info("Test{}: [{:>4d}/{}]  Time: {:.3f} ({:.3f})  Loss: {:>7.3f} ({:>6.3f})  "
                   "Acc@1: {:>7.3f} ({:>7.3f})  Acc@5: {:>7.3f} ({:>7.3f})",
-                  batch_idx, last_idx, batch_time.val, batch_time.avg(), losses.val, losses.avg(), top1.val,
+                  log_suffix, batch_idx, last_idx, batch_time.val, batch_time.avg(), losses.val, losses.avg(), top1.val,
                   top1.avg(), top5.val, top5.avg());
     }
     ++batch_idx;
@@ -184,6 +186,93 @@ void load_pretrained_weights(ClassifierImpl& model, const cli::Config& cfg, cons
 }
 
 }  // namespace
+
+void clip_gradients(std::vector<at::Tensor> params, double value, const std::string& mode) {
+  if (mode == "norm") {
+    torch::nn::utils::clip_grad_norm_(params, value, 2.0);
+  } else if (mode == "value") {
+    torch::nn::utils::clip_grad_value_(params, value);
+  } else {  // agc: adaptive, unit-wise against the parameter norm (eps 1e-3)
+    torch::NoGradGuard ng;
+    auto unitwise_norm = [](const at::Tensor& x) {
+      if (x.dim() <= 1) return x.norm(2);
+      std::vector<int64_t> dims;
+      for (int64_t d = 1; d < x.dim(); ++d) dims.push_back(d);
+      return x.norm(2, dims, true);
+    };
+    for (auto& p : params) {
+      if (!p.grad().defined()) continue;
+      auto g = p.grad().detach();
+      auto max_norm = unitwise_norm(p.detach()).clamp_(1e-3).mul_(value);
+      auto grad_norm = unitwise_norm(g);
+      auto clipped = g * (max_norm / grad_norm.clamp(1e-6));
+      g.copy_(at::where(grad_norm < max_norm, g, clipped));
+    }
+  }
+}
+
+double train_one_epoch(ClassifierImpl& model, data::Loader& loader, optim::Optimizer& optimizer, ModelEma* ema,
+                       int64_t& num_updates, const EpochOptions& o) {
+  model.train();
+  loader.start_epoch(o.epoch);
+  const int64_t n_batches = int64_t(loader.num_batches());
+  const int64_t last_accum = n_batches % o.accum_steps;
+  const int64_t updates_per_epoch = (n_batches + o.accum_steps - 1) / o.accum_steps;
+  const int64_t last_batch_idx_to_accum = n_batches - last_accum;
+  AverageMeter update_time, data_time, losses;
+  auto data_start = Clock::now(), update_start = Clock::now();
+  int64_t update_samples = 0;
+  optimizer.zero_grad();
+  for (int64_t batch_idx = 0; batch_idx < n_batches; ++batch_idx) {
+    auto b = loader.next();
+    data_time.update(seconds_since(data_start));
+    const bool last_batch = batch_idx == n_batches - 1;
+    const bool need_update = last_batch || (batch_idx + 1) % o.accum_steps == 0;
+    const int64_t update_idx = batch_idx / o.accum_steps;
+    // timm: the final partial group divides by its own size.
+    const int64_t accum = batch_idx >= last_batch_idx_to_accum ? last_accum : o.accum_steps;
+    if (b->labels.size(0) > 0) {
+      auto x = data::normalize_nhwc_u8(b->images.to(o.device, /*non_blocking=*/true), o.mean, o.std);
+      auto y = b->labels.to(o.device);
+      auto loss = torch::nn::functional::cross_entropy(
+          model.forward(x), y, torch::nn::functional::CrossEntropyFuncOptions().label_smoothing(o.smoothing));
+      if (accum > 1) loss = loss / double(accum);
+      loss.backward();
+      const double loss_v = loss.item<double>() * double(std::max<int64_t>(accum, 1));
+      if (!std::isfinite(loss_v))
+        throw UserError(fmt::format("training diverged: loss is {} at epoch {} update {} (lower --lr?)", loss_v,
+                                    o.epoch, update_idx));
+      losses.update(loss_v, x.size(0));
+      update_samples += x.size(0);
+    }
+    if (!need_update) {
+      data_start = Clock::now();
+      continue;
+    }
+    if (o.clip_grad) {
+      auto params = model.parameters();
+      if (o.clip_mode == "agc" && params.size() >= 2) params.resize(params.size() - 2);  // timm: head excluded
+      clip_gradients(params, *o.clip_grad, o.clip_mode);
+    }
+    optimizer.step();
+    optimizer.zero_grad();
+    ++num_updates;
+    if (ema) ema->update(model, num_updates);
+    update_time.update(seconds_since(update_start));
+    update_start = Clock::now();
+    if (last_batch || update_idx % o.log_interval == 0) {
+      log::info("Train: {} [{:>4d}/{} ({:>3.0f}%)]  Loss: {:#.3g} ({:#.3g})  Time: {:.3f}s, {:>7.2f}/s  "
+                "({:.3f}s, {:>7.2f}/s)  LR: {:.3e}  Data: {:.3f} ({:.3f})",
+                o.epoch, update_idx, updates_per_epoch, 100.0 * double(update_idx + 1) / double(updates_per_epoch),
+                losses.val, losses.avg(), update_time.val, double(update_samples) / update_time.val,
+                update_time.avg(), double(update_samples) / update_time.avg(), optimizer.mean_lr(), data_time.val,
+                data_time.avg());
+    }
+    update_samples = 0;
+    data_start = Clock::now();
+  }
+  return losses.avg();
+}
 
 int train(const cli::Config& cfg) {
   require_file(cfg.resume, "--resume");
@@ -253,7 +342,7 @@ int train(const cli::Config& cfg) {
   if (cfg.lr) {
     lr = *cfg.lr;
   } else {
-    const int64_t global_batch = cfg.batch_size;  // x world size x accumulation, once those exist
+    const int64_t global_batch = cfg.batch_size * cfg.grad_accum_steps;  // x world size, once that exists
     std::string how;
     lr = optim::scaled_lr(cfg.lr_base, cfg.lr_base_size, cfg.lr_base_scale, cfg.opt, global_batch, &how);
     log::info("Learning rate ({}) calculated from base learning rate ({}) and effective global batch size ({}) "
@@ -265,6 +354,8 @@ int train(const cli::Config& cfg) {
   oa.lr = lr;
   oa.weight_decay = cfg.weight_decay;
   oa.momentum = cfg.momentum;
+  oa.eps = cfg.opt_eps;
+  if (cfg.opt_betas.size() == 2) oa.beta1 = cfg.opt_betas[0], oa.beta2 = cfg.opt_betas[1];
   std::vector<std::pair<std::string, at::Tensor>> named;
   for (auto& p : model->named_parameters()) named.emplace_back(p.key(), p.value());
   auto optimizer = optim::create_optimizer(oa, named);
@@ -277,7 +368,13 @@ int train(const cli::Config& cfg) {
   sa.min_lr = cfg.min_lr;
   sa.decay_epochs = cfg.decay_epochs;
   sa.decay_rate = cfg.decay_rate;
+  sa.warmup_prefix = cfg.warmup_prefix;
+  sa.cooldown_epochs = cfg.cooldown_epochs;
+  sa.decay_milestones.clear();
+  for (double m : cfg.decay_milestones) sa.decay_milestones.push_back(int64_t(m));
+  std::sort(sa.decay_milestones.begin(), sa.decay_milestones.end());
   const optim::Scheduler scheduler(sa);
+  const int64_t num_epochs = scheduler.num_epochs();
 
   // Output folder, args.yaml, log.
   const std::string exp = !cfg.experiment.empty()
@@ -325,57 +422,40 @@ int train(const cli::Config& cfg) {
     }
     log::info("Resumed from checkpoint '{}' (epoch {})", cfg.resume, start_epoch - 1);
   }
-  if (cfg.start_epoch) start_epoch = *cfg.start_epoch;
-  log::info("Scheduled epochs: {}. LR stepped per epoch.", cfg.epochs);
-
-  const int64_t updates_per_epoch = int64_t(train_loader.num_batches());
-  EvalMetrics last_eval;
-  const auto fit_start = Clock::now();
-  for (int64_t epoch = start_epoch; epoch < cfg.epochs; ++epoch) {
-    optimizer->set_lr(scheduler.lr_at(epoch));
-    model->train();
-    train_loader.start_epoch(epoch);
-    AverageMeter update_time, data_time, losses;
-    auto data_start = Clock::now(), update_start = Clock::now();
-    int64_t update_idx = 0;
-    while (auto b = train_loader.next()) {
-      data_time.update(seconds_since(data_start));
-      if (b->labels.size(0) == 0) {  // every image of the batch was unreadable
-        ++update_idx;
-        data_start = Clock::now();
-        continue;
-      }
-      auto x = norm(b->images, device);
-      auto y = b->labels.to(device);
-      auto out = model->forward(x);
-      auto loss = torch::nn::functional::cross_entropy(
-          out, y, torch::nn::functional::CrossEntropyFuncOptions().label_smoothing(cfg.smoothing));
-      optimizer->zero_grad();
-      loss.backward();
-      optimizer->step();
-      ++num_updates;
-      const double loss_v = loss.item<double>();
-      if (!std::isfinite(loss_v))
-        throw UserError(fmt::format("training diverged: loss is {} at epoch {} update {} (lower --lr?)", loss_v,
-                                    epoch, update_idx));
-      losses.update(loss_v, x.size(0));
-      update_time.update(seconds_since(update_start));
-      update_start = Clock::now();
-      const bool last = update_idx == updates_per_epoch - 1;
-      if (last || update_idx % cfg.log_interval == 0) {
-        log::info("Train: {} [{:>4d}/{} ({:>3.0f}%)]  Loss: {:#.3g} ({:#.3g})  Time: {:.3f}s, {:>7.2f}/s  "
-                  "({:.3f}s, {:>7.2f}/s)  LR: {:.3e}  Data: {:.3f} ({:.3f})",
-                  epoch, update_idx, updates_per_epoch, 100.0 * double(update_idx + 1) / double(updates_per_epoch),
-                  losses.val, losses.avg(), update_time.val, double(x.size(0)) / update_time.val, update_time.avg(),
-                  double(x.size(0)) / update_time.avg(), optimizer->mean_lr(), data_time.val, data_time.avg());
-      }
-      ++update_idx;
-      data_start = Clock::now();
+  std::unique_ptr<ModelEma> ema;
+  if (cfg.model_ema) {
+    // Created after any resume of the model, as timm does, then given the checkpoint's EMA.
+    ema = std::make_unique<ModelEma>(model_zoo::create_model(cfg.model, margs), *model, cfg.model_ema_decay,
+                                     cfg.model_ema_warmup, cfg.model_ema_force_cpu ? torch::kCPU : device);
+    if (!cfg.resume.empty()) {
+      auto st = io::load_safetensors(cfg.resume);
+      if (io::weights_prefix(st, true) == "ema.") io::load_state_dict(ema->module(), st, "ema.", cfg.resume);
     }
+  }
+  if (cfg.start_epoch) start_epoch = *cfg.start_epoch;
+  log::info("Scheduled epochs: {}. LR stepped per epoch.", num_epochs);
+
+  const auto fit_start = Clock::now();
+  EvalMetrics last_eval;
+  EpochOptions eo;
+  eo.accum_steps = cfg.grad_accum_steps;
+  eo.smoothing = cfg.smoothing;
+  eo.clip_grad = cfg.clip_grad;
+  eo.clip_mode = cfg.clip_mode;
+  eo.log_interval = cfg.log_interval;
+  eo.mean = dc.mean;
+  eo.std = dc.std;
+  eo.device = device;
+  for (int64_t epoch = start_epoch; epoch < num_epochs; ++epoch) {
+    optimizer->set_lr(scheduler.lr_at(epoch));
+    eo.epoch = epoch;
+    const double train_loss = train_one_epoch(*model, train_loader, *optimizer, ema.get(), num_updates, eo);
     if (train_loader.skipped_this_epoch())
       log::warn("epoch {}: skipped {} unreadable image(s) in training", epoch, train_loader.skipped_this_epoch());
 
-    last_eval = evaluate(*model, eval_loader, norm, device, cfg.log_interval, false);
+    last_eval = evaluate(*model, eval_loader, norm, device, cfg.log_interval, "");
+    if (ema && !cfg.model_ema_force_cpu)  // as timm: the EMA's metrics are the epoch's
+      last_eval = evaluate(ema->module(), eval_loader, norm, device, cfg.log_interval, " (EMA)");
     const double metric = cfg.eval_metric == "top5" ? last_eval.top5 : cfg.eval_metric == "loss" ? last_eval.loss : last_eval.top1;
 
     // summary.csv with timm's columns.
@@ -384,7 +464,7 @@ int train(const cli::Config& cfg) {
     {
       std::ofstream f(summary, std::ios::app);
       if (header) f << "epoch,train_loss,eval_loss,eval_top1,eval_top5,lr\n";
-      f << fmt::format("{},{},{},{},{},{}\n", epoch, losses.avg(), last_eval.loss, last_eval.top1, last_eval.top5,
+      f << fmt::format("{},{},{},{},{},{}\n", epoch, train_loss, last_eval.loss, last_eval.top1, last_eval.top5,
                        optimizer->mean_lr());
     }
 
@@ -394,6 +474,8 @@ int train(const cli::Config& cfg) {
     saver.save(epoch, metric, [&](const std::string& path) {
       std::vector<std::pair<std::string, at::Tensor>> tensors;
       for (auto& [k, v] : io::state_dict(*model)) tensors.emplace_back("model." + k, v);
+      if (ema)
+        for (auto& [k, v] : io::state_dict(ema->module())) tensors.emplace_back("ema." + k, v);
       for (auto& [k, v] : optimizer->state()) tensors.emplace_back("optim." + k, v);
       tensors.emplace_back("rng.cpu", at::detail::getDefaultCPUGenerator().get_state());
       std::map<std::string, std::string> md{{"epoch", std::to_string(epoch)},
@@ -412,7 +494,7 @@ int train(const cli::Config& cfg) {
   }
   if (saver.best_metric) log::info("*** Best metric: {} (epoch {})", *saver.best_metric, saver.best_epoch);
   log::info("Training time: {:.1f} min for epochs {}..{}", seconds_since(fit_start) / 60.0, start_epoch,
-            cfg.epochs - 1);
+            num_epochs - 1);
   if (last_eval.count)
     log::info("Final test accuracy: {:.4f} (top-1 of the last epoch on {} images)", last_eval.top1 / 100.0,
               last_eval.count);
@@ -467,7 +549,7 @@ int validate(const cli::Config& cfg) {
   lo.workers = cfg.workers;
   lo.pin_memory = cfg.pin_mem && device.is_cuda();
   data::Loader loader(ds, tc, lo);
-  auto m = evaluate(*model, loader, Normalizer(dc), device, cfg.log_interval, true);
+  auto m = evaluate(*model, loader, Normalizer(dc), device, cfg.log_interval, "", true);
   log::info(" * Acc@1 {:.3f} ({:.3f}) Acc@5 {:.3f} ({:.3f})", m.top1, 100 - m.top1, m.top5, 100 - m.top5);
 
   auto round_to = [](double v, int digits) {

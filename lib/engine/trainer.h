@@ -2,8 +2,34 @@
 // Config to a trained model, timm's logs, summary.csv, args.yaml and checkpoints.
 #pragma once
 #include "cli/config.h"
+#include "data/loader.h"
+#include "engine/ema.h"
+#include "optim/optim.h"
+
+#include <optional>
 
 namespace imgtrain::engine {
+
+struct EpochOptions {
+  int64_t epoch = 0;
+  int64_t accum_steps = 1;  // micro-batches per optimizer update (timm --grad-accum-steps)
+  double smoothing = 0.0;
+  std::optional<double> clip_grad;
+  std::string clip_mode = "norm";
+  int64_t log_interval = 50;
+  std::vector<double> mean, std;  // normalisation, in [0, 1] units
+  torch::Device device = torch::kCPU;
+};
+
+// timm's dispatch_clip_grad: norm (total 2-norm), value, or agc (unit-wise adaptive clipping
+// against the parameters' norms, eps 1e-3; the caller leaves out the classifier as timm does).
+void clip_gradients(std::vector<at::Tensor> params, double value, const std::string& mode);
+
+// One epoch of timm's train_one_epoch for classification: per micro-batch the loss / A and
+// backward; per update clipping, the optimizer step, zero_grad, the EMA update and a log line.
+// `num_updates` counts optimizer updates across epochs. Returns the average (unscaled) loss.
+double train_one_epoch(ClassifierImpl& model, data::Loader& loader, optim::Optimizer& optimizer, ModelEma* ema,
+                       int64_t& num_updates, const EpochOptions& o);
 
 // Both return the process exit code; user errors are thrown as UserError.
 int train(const cli::Config& cfg);

@@ -89,10 +89,12 @@ class Sgd : public Optimizer {
   std::map<std::string, at::Tensor> buf_;
 };
 
-// torch.optim.AdamW (decoupled weight decay, bias-corrected moments, amsgrad off).
+// torch.optim.AdamW (decoupled weight decay, bias-corrected moments, amsgrad off); with
+// decoupled = false it is torch.optim.Adam (L2 decay added to the gradient).
 class AdamW : public Optimizer {
  public:
-  AdamW(std::vector<ParamGroup> g, double b1, double b2, double eps) : b1_(b1), b2_(b2), eps_(eps) {
+  AdamW(std::vector<ParamGroup> g, double b1, double b2, double eps, bool decoupled)
+      : b1_(b1), b2_(b2), eps_(eps), decoupled_(decoupled) {
     groups_ = std::move(g);
   }
   void step() override {
@@ -107,9 +109,11 @@ class AdamW : public Optimizer {
           s.v = torch::zeros_like(p);
         }
         s.step += 1;
-        p.mul_(1.0 - g.lr * g.weight_decay);
-        s.m.lerp_(p.grad(), 1.0 - b1_);
-        s.v.mul_(b2_).addcmul_(p.grad(), p.grad(), 1.0 - b2_);
+        auto grad = p.grad();
+        if (decoupled_) p.mul_(1.0 - g.lr * g.weight_decay);
+        else if (g.weight_decay != 0) grad = grad.add(p, g.weight_decay);
+        s.m.lerp_(grad, 1.0 - b1_);
+        s.v.mul_(b2_).addcmul_(grad, grad, 1.0 - b2_);
         double bc1 = 1.0 - std::pow(b1_, s.step), bc2 = 1.0 - std::pow(b2_, s.step);
         auto denom = (s.v.sqrt() / std::sqrt(bc2)).add_(eps_);
         p.addcdiv_(s.m, denom, -g.lr / bc1);
@@ -147,6 +151,74 @@ class AdamW : public Optimizer {
     int64_t step = 0;
   };
   double b1_, b2_, eps_;
+  bool decoupled_;
+  std::map<std::string, State> st_;
+};
+
+// timm's RMSpropTF (TensorFlow-style RMSprop): the square average starts at one, eps goes inside
+// the square root, and the learning rate is applied inside the momentum buffer.
+class RmspropTF : public Optimizer {
+ public:
+  RmspropTF(std::vector<ParamGroup> g, double alpha, double eps, double momentum)
+      : alpha_(alpha), eps_(eps), momentum_(momentum) {
+    groups_ = std::move(g);
+  }
+  void step() override {
+    torch::NoGradGuard ng;
+    for (auto& g : groups_)
+      for (size_t i = 0; i < g.params.size(); ++i) {
+        auto& p = g.params[i];
+        if (!p.grad().defined()) continue;
+        auto& s = st_[g.names[i]];
+        if (!s.square_avg.defined()) {
+          s.square_avg = torch::ones_like(p);
+          if (momentum_ > 0) s.buf = torch::zeros_like(p);
+        }
+        s.step += 1;
+        auto grad = p.grad();
+        if (g.weight_decay != 0) grad = grad.add(p, g.weight_decay);
+        s.square_avg.add_(grad.pow(2) - s.square_avg, 1.0 - alpha_);
+        auto avg = s.square_avg.add(eps_).sqrt_();
+        if (momentum_ > 0) {
+          s.buf.mul_(momentum_).addcdiv_(grad, avg, g.lr);
+          p.sub_(s.buf);
+        } else {
+          p.addcdiv_(grad, avg, -g.lr);
+        }
+      }
+  }
+  std::vector<std::pair<std::string, at::Tensor>> state() const override {
+    std::vector<std::pair<std::string, at::Tensor>> out;
+    for (auto& g : groups_)
+      for (auto& n : g.names)
+        if (auto it = st_.find(n); it != st_.end() && it->second.square_avg.defined()) {
+          out.emplace_back(n + ".square_avg", it->second.square_avg);
+          if (it->second.buf.defined()) out.emplace_back(n + ".momentum_buffer", it->second.buf);
+          out.emplace_back(n + ".step", torch::tensor(double(it->second.step), torch::kFloat64));
+        }
+    return out;
+  }
+  void load_state(const std::map<std::string, at::Tensor>& st) override {
+    st_.clear();
+    for (auto& g : groups_)
+      for (size_t i = 0; i < g.names.size(); ++i) {
+        auto sq = st.find(g.names[i] + ".square_avg"), k = st.find(g.names[i] + ".step");
+        if (sq == st.end() || k == st.end()) continue;
+        auto& s = st_[g.names[i]];
+        auto opts = g.params[i].options();
+        s.square_avg = sq->second.to(opts).clone();
+        if (auto b = st.find(g.names[i] + ".momentum_buffer"); b != st.end()) s.buf = b->second.to(opts).clone();
+        else if (momentum_ > 0) s.buf = torch::zeros_like(g.params[i]);
+        s.step = int64_t(k->second.item<double>());
+      }
+  }
+
+ private:
+  struct State {
+    at::Tensor square_avg, buf;
+    int64_t step = 0;
+  };
+  double alpha_, eps_, momentum_;
   std::map<std::string, State> st_;
 };
 
@@ -158,17 +230,35 @@ std::unique_ptr<Optimizer> create_optimizer(const OptimizerArgs& a,
   for (auto& g : groups) g.lr = a.lr;
   if (a.opt == "sgd" || a.opt == "nesterov") return std::make_unique<Sgd>(std::move(groups), a.momentum, true);
   if (a.opt == "momentum") return std::make_unique<Sgd>(std::move(groups), a.momentum, false);
-  if (a.opt == "adamw") return std::make_unique<AdamW>(std::move(groups), a.beta1, a.beta2, a.eps);
+  if (a.opt == "adam" || a.opt == "adamw")
+    return std::make_unique<AdamW>(std::move(groups), a.beta1, a.beta2, a.eps.value_or(1e-8), a.opt == "adamw");
+  if (a.opt == "rmsproptf")
+    return std::make_unique<RmspropTF>(std::move(groups), 0.9, a.eps.value_or(1e-10), a.momentum);
   throw std::invalid_argument("unknown optimizer '" + a.opt + "'");
 }
 
 double Scheduler::lr_at(int64_t t) const {
   if (t < a_.warmup_epochs)
     return a_.warmup_lr + double(t) * (a_.base_lr - a_.warmup_lr) / double(a_.warmup_epochs);
+  if (a_.warmup_prefix) t -= a_.warmup_epochs;
   if (a_.sched == "step") return a_.base_lr * std::pow(a_.decay_rate, double(t / a_.decay_epochs));
-  // cosine, one cycle (cycle_mul 1, cycle_limit 1): lr_min after the cycle ends.
+  if (a_.sched == "multistep") {
+    // timm's convention: milestone m applies from t == m - 1 (bisect_right(milestones, t + 1)).
+    int64_t n = std::upper_bound(a_.decay_milestones.begin(), a_.decay_milestones.end(), t + 1) -
+                a_.decay_milestones.begin();
+    return a_.base_lr * std::pow(a_.decay_rate, double(n));
+  }
+  // cosine and poly, one cycle (cycle_mul 1, cycle_limit 1, k_decay 1): lr_min after it ends.
   if (t >= a_.epochs) return a_.min_lr;
-  return a_.min_lr + 0.5 * (a_.base_lr - a_.min_lr) * (1.0 + std::cos(M_PI * double(t) / double(a_.epochs)));
+  const double frac = double(t) / double(a_.epochs);
+  if (a_.sched == "poly") return a_.min_lr + (a_.base_lr - a_.min_lr) * std::pow(1.0 - frac, a_.decay_rate);
+  return a_.min_lr + 0.5 * (a_.base_lr - a_.min_lr) * (1.0 + std::cos(M_PI * frac));
+}
+
+int64_t Scheduler::num_epochs() const {
+  if (a_.sched == "cosine" || a_.sched == "poly")
+    return a_.epochs + (a_.warmup_prefix ? a_.warmup_epochs : 0) + a_.cooldown_epochs;
+  return a_.epochs;
 }
 
 double scaled_lr(double lr_base, int64_t lr_base_size, const std::string& scale, const std::string& opt,

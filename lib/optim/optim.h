@@ -4,6 +4,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <map>
+#include <optional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -40,11 +41,11 @@ class Optimizer {
 };
 
 struct OptimizerArgs {
-  std::string opt = "sgd";  // sgd (nesterov), momentum, adamw
+  std::string opt = "sgd";  // sgd (nesterov), momentum, adam, adamw, rmsproptf
   double lr = 0.1;
   double weight_decay = 0.0;
   double momentum = 0.9;
-  double eps = 1e-8;
+  std::optional<double> eps;  // unset: the optimizer's own default (1e-8 Adam*, 1e-10 RMSpropTF)
   double beta1 = 0.9, beta2 = 0.999;
 };
 
@@ -53,20 +54,26 @@ std::unique_ptr<Optimizer> create_optimizer(const OptimizerArgs& a,
 
 // timm's epoch-based schedulers: lr(t) for t = epoch index, with linear warmup from warmup_lr.
 struct SchedulerArgs {
-  std::string sched = "cosine";  // cosine | step
+  std::string sched = "cosine";  // cosine | step | multistep | poly
   double base_lr = 0.1;
-  int64_t epochs = 300;          // cosine cycle length (t_initial)
+  int64_t epochs = 300;          // cycle length t_initial (cosine, poly)
   int64_t warmup_epochs = 0;
   double warmup_lr = 1e-5;
+  bool warmup_prefix = false;    // warmup not counted in `epochs`
+  int64_t cooldown_epochs = 0;   // at min_lr after the cycle
   double min_lr = 0.0;
-  int64_t decay_epochs = 90;
-  double decay_rate = 0.1;
+  int64_t decay_epochs = 90;     // step
+  std::vector<int64_t> decay_milestones{90, 180, 270};  // multistep
+  double decay_rate = 0.1;       // step / multistep factor, poly power
 };
 
 class Scheduler {
  public:
   explicit Scheduler(SchedulerArgs a) : a_(std::move(a)) {}
   double lr_at(int64_t epoch) const;
+  // Epochs to train, as timm's create_scheduler returns them: the cycle (+ warmup when it is a
+  // prefix) + cooldown for cosine and poly, `epochs` for the others.
+  int64_t num_epochs() const;
 
  private:
   SchedulerArgs a_;

@@ -179,6 +179,35 @@ TEST_CASE("pretrained timm weights are found in the offline hub cache and adapte
   CHECK_THAT(t.output, Catch::Contains("Loaded pretrained weights"));
 }
 
+TEST_CASE("EMA, accumulation and clipping train, checkpoint, resume and export", "[integration]") {
+  auto data = fmnist_folder(200, 100);
+  test::TempDir out("ema");
+  const std::string args = " --data-dir " + data + kSmallArgs + " -b 25 --grad-accum-steps 2 --model-ema " +
+                           "--model-ema-decay 0.9 --clip-grad 2 --opt adamw --lr 1e-3 --output " + out.path.string() +
+                           " --experiment e";
+  auto r = test::run(kBin + " train" + args + " --epochs 1");
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK_THAT(r.output, Catch::Contains("Test (EMA): [") && Catch::Contains("Train: 0 [   3/4 (100%)]"));
+  auto st = io::load_safetensors(out / "e/last.safetensors");
+  CHECK(st.find("ema.conv1.weight") != nullptr);
+  CHECK(st.find("optim.conv1.weight.exp_avg") != nullptr);
+  CHECK(st.metadata.at("num_updates") == "4");  // 8 micro-batches of 25, 2 per update
+  auto r2 = test::run(kBin + " train" + args + " --epochs 2 --resume " + (out / "e/last.safetensors"));
+  INFO(r2.output);
+  REQUIRE(r2.code == 0);
+  CHECK_THAT(r2.output, Catch::Contains("Train: 1 [   0/4"));
+  auto st2 = io::load_safetensors(out / "e/last.safetensors");
+  CHECK(st2.metadata.at("num_updates") == "8");
+  auto ex = test::run(kBin + " export --use-ema --checkpoint " + (out / "e/last.safetensors") + " --out " +
+                      (out / "ema.safetensors"));
+  INFO(ex.output);
+  REQUIRE(ex.code == 0);
+  auto e = io::load_safetensors(out / "ema.safetensors");
+  CHECK(torch::equal(*e.find("conv1.weight"), *st2.find("ema.conv1.weight")));
+  CHECK_FALSE(torch::equal(*e.find("conv1.weight"), *st2.find("model.conv1.weight")));
+}
+
 TEST_CASE("a corrupt image is skipped with a warning naming it, and training completes", "[integration]") {
   auto data = fmnist_folder(200, 100);
   test::TempDir d("corrupt");

@@ -75,6 +75,64 @@ for name in RESNETS:
     model_refs(name, train_grads=name in ('resnet18', 'resnet26d'),
                init_stats=name in ('resnet18', 'resnet50', 'resnext50_32x4d', 'resnet26d'))
 
+# timm's optimizer factory (parameter groups, defaults) on a tiny module, three steps each.
+from timm.optim import create_optimizer_v2
+g2 = torch.Generator().manual_seed(2)
+lin = torch.nn.Linear(3, 5)
+w0, b0 = torch.randn(5, 3, generator=g2), torch.randn(5, generator=g2)
+fac = {'w0': w0, 'b0': b0}
+for i in range(3):
+    fac[f'gw{i}'] = torch.randn(5, 3, generator=g2)
+    fac[f'gb{i}'] = torch.randn(5, generator=g2)
+for name, lr in [('sgd', 0.1), ('momentum', 0.1), ('adam', 1e-2), ('adamw', 1e-2), ('rmsproptf', 1e-2)]:
+    with torch.no_grad():
+        lin.weight.copy_(w0)
+        lin.bias.copy_(b0)
+    opt = create_optimizer_v2(lin, name, lr=lr, weight_decay=1e-2, momentum=0.9)
+    for i in range(3):
+        lin.weight.grad = fac[f'gw{i}'].clone()
+        lin.bias.grad = fac[f'gb{i}'].clone()
+        opt.step()
+        fac[f'{name}.w{i}'] = lin.weight.detach().clone()
+        fac[f'{name}.b{i}'] = lin.bias.detach().clone()
+save_file(fac, os.path.join(out, 'optim_factory.safetensors'))
+
+# Gradient clipping: torch's norm / value clipping and timm's adaptive clipping.
+from timm.utils import dispatch_clip_grad
+clip = {}
+pw, pb = torch.randn(6, 4, generator=g2), torch.randn(6, generator=g2) * 0.01
+gw, gb = torch.randn(6, 4, generator=g2), torch.randn(6, generator=g2)
+clip.update(pw=pw, pb=pb, gw=gw, gb=gb)
+for mode, value in [('norm', 1.5), ('value', 0.3), ('agc', 0.05)]:
+    ps = [torch.nn.Parameter(pw.clone()), torch.nn.Parameter(pb.clone())]
+    ps[0].grad, ps[1].grad = gw.clone(), gb.clone()
+    dispatch_clip_grad(ps, value=value, mode=mode)
+    clip[f'{mode}.gw'], clip[f'{mode}.gb'] = ps[0].grad, ps[1].grad
+save_file(clip, os.path.join(out, 'clip.safetensors'))
+
+# ModelEmaV3 on a toy model with a BatchNorm (buffers lerped, num_batches_tracked copied).
+from timm.utils import ModelEmaV3
+ema_t = {}
+for warm in (False, True):
+    torch.manual_seed(4)
+    toy = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    for k, v in toy.state_dict().items():
+        ema_t[f'{warm}.init.{k}'] = v.clone()
+    ema = ModelEmaV3(toy, decay=0.9, use_warmup=warm)
+    ema_t[f'{warm}.decay'] = torch.tensor([ema.get_decay(s) for s in range(12)], dtype=torch.float64)
+    for step in range(1, 6):
+        with torch.no_grad():
+            for p in toy.parameters():
+                p.add_(0.1 * step)
+        toy.train()
+        toy(torch.randn(8, 3, generator=g2))  # moves the BN running stats
+        ema.update(toy, step=step)
+        for k, v in toy.state_dict().items():
+            ema_t[f'{warm}.model{step}.{k}'] = v.clone()
+        for k, v in ema.module.state_dict().items():
+            ema_t[f'{warm}.ema{step}.{k}'] = v.clone()
+save_file(ema_t, os.path.join(out, 'ema.safetensors'))
+
 # Optimizers: three steps on fixed parameters and gradients, with weight decay.
 g = torch.Generator().manual_seed(1)
 p0 = torch.randn(5, 3, generator=g)
@@ -105,6 +163,16 @@ dummy = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
 s, _ = create_scheduler_v2(dummy, 'step', num_epochs=10, decay_epochs=3, decay_rate=0.5, warmup_epochs=1,
                            warmup_lr=1e-4)
 sched['step'] = torch.tensor([s._get_lr(t)[0] for t in range(13)], dtype=torch.float64)
+more = [('multistep', dict(decay_milestones=[2, 5], decay_rate=0.5, warmup_epochs=1, warmup_lr=1e-4)),
+        ('poly', dict(num_epochs=8, decay_rate=2.0, warmup_epochs=2, warmup_lr=1e-4, warmup_prefix=True,
+                      min_lr=1e-5, cooldown_epochs=2)),
+        ('cosine', dict(num_epochs=6, warmup_epochs=2, warmup_prefix=True, warmup_lr=1e-4, min_lr=1e-5,
+                        cooldown_epochs=3))]
+for i, (kind, kw) in enumerate(more):
+    dummy = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    s, n = create_scheduler_v2(dummy, kind, **kw)
+    sched[f'more{i}'] = torch.tensor([s._get_lr(t)[0] for t in range(14)], dtype=torch.float64)
+    sched[f'more{i}.num_epochs'] = torch.tensor([n])
 # torch.utils.data.DistributedSampler / timm's training order: randperm seeded with seed + epoch.
 gen = torch.Generator().manual_seed(42 + 3)
 sched['randperm'] = torch.randperm(10, generator=gen)

@@ -1,6 +1,8 @@
 // Compares imgtrain with timm / torch on references written by make_refs.py (same inputs).
 #include "data/loader.h"
 #include "engine/checkpoint.h"
+#include "engine/ema.h"
+#include "engine/trainer.h"
 #include "io/weights.h"
 #include "io/safetensors.h"
 #include "model_zoo/registry.h"
@@ -223,5 +225,120 @@ TEST_CASE("first-conv channel adaptation equals timm's adapt_input_conv", "[pari
     auto want = *st.find("adapt.c" + std::to_string(c));
     REQUIRE(got.sizes() == want.sizes());
     CHECK(max_abs_diff(got, want) < 1e-6);
+  }
+}
+
+TEST_CASE("more schedules: multistep, poly, warmup prefix, cooldown", "[parity][sched]") {
+  auto st = load_ref("misc.safetensors");
+  optim::SchedulerArgs m;
+  m.sched = "multistep";
+  m.base_lr = 0.1;
+  m.epochs = 300;
+  m.decay_milestones = {2, 5};
+  m.decay_rate = 0.5;
+  m.warmup_epochs = 1;
+  m.warmup_lr = 1e-4;
+  optim::SchedulerArgs p;
+  p.sched = "poly";
+  p.base_lr = 0.1;
+  p.epochs = 8;
+  p.decay_rate = 2.0;
+  p.warmup_epochs = 2;
+  p.warmup_lr = 1e-4;
+  p.warmup_prefix = true;
+  p.min_lr = 1e-5;
+  p.cooldown_epochs = 2;
+  optim::SchedulerArgs c = p;
+  c.sched = "cosine";
+  c.epochs = 6;
+  c.decay_rate = 0.1;
+  c.cooldown_epochs = 3;
+  int i = 0;
+  for (auto& args : {m, p, c}) {
+    optim::Scheduler sch(args);
+    auto want = *st.find("more" + std::to_string(i));
+    INFO(args.sched);
+    CHECK(sch.num_epochs() == st.find("more" + std::to_string(i) + ".num_epochs")->item<int64_t>());
+    for (int64_t t = 0; t < want.size(0); ++t) {
+      INFO("epoch " << t);
+      CHECK(sch.lr_at(t) == Approx(want[t].item<double>()).epsilon(1e-12));
+    }
+    ++i;
+  }
+}
+
+TEST_CASE("optimizer factory matches timm's create_optimizer_v2", "[parity][optim]") {
+  auto st = load_ref("optim_factory.safetensors");
+  for (auto [name, lr] : {std::pair{"sgd", 0.1}, {"momentum", 0.1}, {"adam", 1e-2}, {"adamw", 1e-2}, {"rmsproptf", 1e-2}}) {
+    auto w = st.find("w0")->clone().requires_grad_(true);
+    auto b = st.find("b0")->clone().requires_grad_(true);
+    optim::OptimizerArgs a;
+    a.opt = name;
+    a.lr = lr;
+    a.weight_decay = 1e-2;
+    a.momentum = 0.9;
+    auto opt = optim::create_optimizer(a, {{"weight", w}, {"bias", b}});
+    for (int i = 0; i < 3; ++i) {
+      w.mutable_grad() = st.find("gw" + std::to_string(i))->clone();
+      b.mutable_grad() = st.find("gb" + std::to_string(i))->clone();
+      opt->step();
+      INFO(name << " step " << i);
+      auto ww = *st.find(std::string(name) + ".w" + std::to_string(i));
+      auto wb = *st.find(std::string(name) + ".b" + std::to_string(i));
+      CHECK(rel_diff(w.detach(), ww) < 1e-6);
+      CHECK(rel_diff(b.detach(), wb) < 1e-6);
+    }
+  }
+}
+
+TEST_CASE("gradient clipping matches torch and timm (norm, value, agc)", "[parity][optim]") {
+  auto st = load_ref("clip.safetensors");
+  for (auto [mode, value] : {std::pair{"norm", 1.5}, {"value", 0.3}, {"agc", 0.05}}) {
+    auto pw = st.find("pw")->clone(), pb = st.find("pb")->clone();
+    pw.mutable_grad() = st.find("gw")->clone();
+    pb.mutable_grad() = st.find("gb")->clone();
+    engine::clip_gradients({pw, pb}, value, mode);
+    INFO(mode);
+    CHECK(max_abs_diff(pw.grad(), *st.find(std::string(mode) + ".gw")) < 1e-6);
+    CHECK(max_abs_diff(pb.grad(), *st.find(std::string(mode) + ".gb")) < 1e-6);
+  }
+}
+
+namespace {
+// timm's toy: Sequential(Linear(3, 4), BatchNorm1d(4)).
+struct ToyImpl : ClassifierImpl {
+  ToyImpl() {
+    register_module("0", torch::nn::Linear(3, 4));
+    register_module("1", torch::nn::BatchNorm1d(4));
+  }
+  at::Tensor forward_features(const at::Tensor& x) override { return x; }
+  at::Tensor forward_head(const at::Tensor& x, bool) override { return x; }
+  int64_t num_classes() const override { return 4; }
+  int64_t num_features() const override { return 3; }
+};
+}  // namespace
+
+TEST_CASE("EMA matches timm's ModelEmaV3, warmup included", "[parity][ema]") {
+  auto st = load_ref("ema.safetensors");
+  for (bool warm : {false, true}) {
+    const std::string w = warm ? "True" : "False";
+    INFO("warmup " << w);
+    auto model = std::make_shared<ToyImpl>();
+    auto set_state = [&](const std::string& prefix) {
+      torch::NoGradGuard ng;
+      for (auto& [k, v] : io::state_dict(*model)) v.copy_(*st.find(prefix + k));
+    };
+    set_state(w + ".init.");
+    engine::ModelEma ema(std::make_shared<ToyImpl>(), *model, 0.9, warm, torch::kCPU);
+    auto decay = *st.find(w + ".decay");
+    for (int64_t s = 0; s < decay.size(0); ++s) CHECK(ema.decay_at(s) == Approx(decay[s].item<double>()).epsilon(1e-12));
+    for (int step = 1; step <= 5; ++step) {
+      set_state(w + ".model" + std::to_string(step) + ".");  // the model as timm had it at this update
+      ema.update(*model, step);
+      for (auto& [k, v] : io::state_dict(ema.module())) {
+        INFO("step " << step << " " << k);
+        CHECK(max_abs_diff(v.to(torch::kDouble), st.find(w + ".ema" + std::to_string(step) + "." + k)->to(torch::kDouble)) < 1e-6);
+      }
+    }
   }
 }

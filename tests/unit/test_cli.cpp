@@ -50,6 +50,23 @@ TEST_CASE("flags parse with timm's names, aliases and multi-value forms", "[cli]
   CHECK(c.device == "cpu");
 }
 
+TEST_CASE("list flags, aliases and the engine's flags", "[cli]") {
+  auto c = train({"--decay-milestones", "30", "60", "90", "--sched", "multistep", "--accumulation-steps", "4",
+                  "--opt-betas", "0.95", "0.9", "--clip-grad", "1", "--clip-mode", "agc", "--model-ema",
+                  "--model-ema-decay", "0.99"});
+  CHECK(c.decay_milestones == std::vector<double>{30, 60, 90});
+  CHECK(c.grad_accum_steps == 4);
+  CHECK(c.opt_betas == std::vector<double>{0.95, 0.9});  // not a range: any order
+  CHECK(*c.clip_grad == Approx(1.0));
+  CHECK(c.model_ema);
+  CHECK(c.model_ema_decay == Approx(0.99));
+  CHECK(train({"--grad-accum-steps", "2"}).grad_accum_steps == 2);
+  CHECK(train({}).opt_betas.empty());
+  CHECK_THAT(error_of({"--decay-milestones"}), Catch::Contains("one or more numbers"));
+  CHECK_THAT(error_of({"--grad-accum-steps", "0"}), Catch::Contains("positive integer"));
+  CHECK_THAT(error_of({"--clip-mode", "l1"}), Catch::Contains("norm, value, agc"));
+}
+
 TEST_CASE("config file sets defaults and the command line overrides them", "[cli]") {
   test::TempDir d("cli");
   test::write_file(d / "c.yaml", "batch_size: 64\nlr: 0.25\nmodel: resnet18\nscale: [0.3, 0.9]\npin_mem: true\n");
@@ -85,7 +102,7 @@ TEST_CASE("bad values name the flag, the value and what is accepted", "[cli]") {
   auto e = error_of({"-b", "abc"});
   CHECK_THAT(e, Catch::Contains("--batch-size") && Catch::Contains("'abc'") && Catch::Contains("positive integer"));
   CHECK_THAT(error_of({"-b", "0"}), Catch::Contains("positive integer"));
-  CHECK_THAT(error_of({"--opt", "sgdd"}), Catch::Contains("--opt") && Catch::Contains("sgd, momentum, adamw"));
+  CHECK_THAT(error_of({"--opt", "sgdd"}), Catch::Contains("--opt") && Catch::Contains("sgd, momentum, adam, adamw, rmsproptf"));
   CHECK_THAT(error_of({"--sched", "cos"}), Catch::Contains("cosine, step"));
   CHECK_THAT(error_of({"--hflip", "1.5"}), Catch::Contains("--hflip") && Catch::Contains("[0, 1]"));
   CHECK_THAT(error_of({"--lr", "fast"}), Catch::Contains("--lr") && Catch::Contains("'fast'"));

@@ -1,0 +1,47 @@
+#include "engine/ema.h"
+
+#include "io/weights.h"
+
+#include <torch/torch.h>
+
+#include <cmath>
+
+namespace imgtrain::engine {
+
+ModelEma::ModelEma(std::shared_ptr<ClassifierImpl> module, const torch::nn::Module& model, double decay, bool warmup,
+                   torch::Device device)
+    : module_(std::move(module)), decay_(decay), warmup_(warmup), device_(device) {
+  module_->to(device_);
+  module_->eval();
+  for (auto& p : module_->parameters()) p.set_requires_grad(false);
+  torch::NoGradGuard ng;
+  auto src = io::state_dict(model);
+  auto dst = io::state_dict(*module_);
+  TORCH_CHECK(src.size() == dst.size(), "EMA module does not match the model");
+  for (size_t i = 0; i < dst.size(); ++i) {
+    TORCH_CHECK(src[i].first == dst[i].first, "EMA module does not match the model at ", src[i].first);
+    dst[i].second.copy_(src[i].second);
+    (dst[i].second.is_floating_point() ? ema_float_ : ema_other_).push_back(dst[i].second);
+  }
+}
+
+double ModelEma::decay_at(int64_t step) const {
+  const int64_t s = std::max<int64_t>(0, step - 1);
+  if (s <= 0) return 0.0;
+  if (!warmup_) return decay_;
+  const double d = 1.0 - std::pow(1.0 + double(s), -2.0 / 3.0);
+  return std::max(std::min(d, decay_), 0.0);
+}
+
+void ModelEma::update(const torch::nn::Module& model, int64_t step) {
+  torch::NoGradGuard ng;
+  const double w = 1.0 - decay_at(step);
+  std::vector<at::Tensor> src_float, src_other;
+  for (auto& [k, v] : io::state_dict(model)) (v.is_floating_point() ? src_float : src_other).push_back(v);
+  for (size_t i = 0; i < ema_other_.size(); ++i) ema_other_[i].copy_(src_other[i]);
+  if (device_ != src_float.front().device())
+    for (auto& t : src_float) t = t.to(device_);
+  at::_foreach_lerp_(ema_float_, src_float, w);
+}
+
+}  // namespace imgtrain::engine

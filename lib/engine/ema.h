@@ -1,0 +1,30 @@
+// timm's ModelEmaV3: an exponential moving average of a model's whole state dict (float
+// tensors lerped towards the model, others copied), updated once per optimizer update.
+// decay(step) = 0 for the first update (a copy), then `decay`, or with warmup
+// clamp(1 - (1 + s)^(-2/3), 0, decay) where s = step - 1.
+#pragma once
+#include "core/model.h"
+
+#include <memory>
+
+namespace imgtrain::engine {
+
+class ModelEma {
+ public:
+  // `module` is a model of the same architecture; it is set to a copy of `model` now.
+  ModelEma(std::shared_ptr<ClassifierImpl> module, const torch::nn::Module& model, double decay, bool warmup,
+           torch::Device device);
+  double decay_at(int64_t step) const;
+  void update(const torch::nn::Module& model, int64_t step);
+  ClassifierImpl& module() { return *module_; }
+  torch::Device device() const { return device_; }
+
+ private:
+  std::shared_ptr<ClassifierImpl> module_;
+  double decay_;
+  bool warmup_;
+  torch::Device device_;
+  std::vector<at::Tensor> ema_float_, ema_other_;  // views into module_'s state, in state-dict order
+};
+
+}  // namespace imgtrain::engine
