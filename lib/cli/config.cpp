@@ -64,6 +64,12 @@ const std::vector<Flag>& flags() {
       {"validation-batch-size", "-vb", &Config::validation_batch_size,
        "Validation batch size (default: --batch-size)", TRAIN, {}, positive},
       {"device", "", &Config::device, "Device: auto (cuda when available), cpu, cuda, cuda:N", BOTH},
+      {"amp", "", &Config::amp, "Mixed precision: autocast to --amp-dtype (with a loss scaler for float16)", BOTH},
+      {"amp-dtype", "", &Config::amp_dtype, "Autocast dtype", BOTH, {"float16", "bfloat16"}},
+      {"amp-opt-level", "", &Config::amp_opt_level, "apex-style level: O0 = fp32, O1 = autocast (as --amp)", TRAIN,
+       {"", "O0", "O1", "O2"}},
+      {"loss-scale", "", &Config::loss_scale, "Static loss scale for float16 (default: dynamic scaling)", TRAIN, {},
+       positive},
       // optimizer
       {"opt", "", &Config::opt, "Optimizer", TRAIN, {"sgd", "momentum", "adam", "adamw", "rmsproptf"}},
       {"opt-eps", "", &Config::opt_eps, "Optimizer epsilon (default: the optimizer's)", TRAIN, {}, positive},

@@ -25,6 +25,10 @@ struct Config {
   int64_t batch_size = 128;
   std::optional<int64_t> validation_batch_size;
   std::string device = "auto";
+  bool amp = false;
+  std::string amp_dtype = "float16";
+  std::string amp_opt_level;  // apex names: O0 (off), O1 (autocast); '' = from --amp
+  std::optional<double> loss_scale;
   std::string checkpoint;  // validate
   bool use_ema = false;    // validate
   // optimizer

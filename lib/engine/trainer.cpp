@@ -105,8 +105,13 @@ std::vector<double> accuracy(const at::Tensor& out, const at::Tensor& target, co
 
 // timm's validate(): log_suffix "" or " (EMA)" in train.py; validate.py's own line format when
 // validate_style is set.
+struct Amp {
+  bool enabled = false;
+  at::ScalarType dtype = at::kHalf;
+};
+
 EvalMetrics evaluate(ClassifierImpl& model, data::Loader& loader, const Normalizer& norm, torch::Device dev,
-                     int64_t log_interval, const std::string& log_suffix, bool validate_style = false) {
+                     int64_t log_interval, const std::string& log_suffix, Amp amp, bool validate_style = false) {
   torch::NoGradGuard ng;
   model.eval();
   AverageMeter batch_time, losses, top1, top5;
@@ -121,8 +126,13 @@ EvalMetrics evaluate(ClassifierImpl& model, data::Loader& loader, const Normaliz
     }
     auto x = norm(b->images, dev);
     auto y = b->labels.to(dev);
-    auto out = model.forward(x);
-    auto loss = torch::nn::functional::cross_entropy(out, y);
+    at::Tensor out, loss;
+    {
+      AutocastScope autocast(amp.enabled, dev.type(), amp.dtype);
+      out = model.forward(x);
+      loss = torch::nn::functional::cross_entropy(out, y);
+    }
+    out = out.to(torch::kFloat32);
     auto acc = accuracy(out, y, {1, 5});
     int64_t n = x.size(0);
     losses.update(loss.item<double>(), n);
@@ -168,6 +178,15 @@ void require_file(const std::string& path, const char* flag) {
     throw UserError(fmt::format("{} '{}': cannot open the file", flag, path));
 }
 
+Amp resolve_amp(const cli::Config& cfg) {
+  if (cfg.amp_opt_level == "O2")
+    throw UserError("--amp-opt-level O2: not implemented yet (O0 = float32 and O1 = autocast are)");
+  Amp a;
+  a.enabled = cfg.amp_opt_level == "O1" || (cfg.amp && cfg.amp_opt_level != "O0");
+  a.dtype = cfg.amp_dtype == "bfloat16" ? at::kBFloat16 : at::kHalf;
+  return a;
+}
+
 // --pretrained-path FILE, or --pretrained from the offline Hugging Face cache.
 void load_pretrained_weights(ClassifierImpl& model, const cli::Config& cfg, const ModelDefaults& d) {
   if (!cfg.pretrained && cfg.pretrained_path.empty()) return;
@@ -211,8 +230,9 @@ void clip_gradients(std::vector<at::Tensor> params, double value, const std::str
   }
 }
 
-double train_one_epoch(ClassifierImpl& model, data::Loader& loader, optim::Optimizer& optimizer, ModelEma* ema,
-                       int64_t& num_updates, const EpochOptions& o) {
+EpochResult train_one_epoch(ClassifierImpl& model, data::Loader& loader, optim::Optimizer& optimizer, ModelEma* ema,
+                            int64_t& num_updates, const EpochOptions& o) {
+  EpochResult res;
   model.train();
   loader.start_epoch(o.epoch);
   const int64_t n_batches = int64_t(loader.num_batches());
@@ -234,10 +254,14 @@ double train_one_epoch(ClassifierImpl& model, data::Loader& loader, optim::Optim
     if (b->labels.size(0) > 0) {
       auto x = data::normalize_nhwc_u8(b->images.to(o.device, /*non_blocking=*/true), o.mean, o.std);
       auto y = b->labels.to(o.device);
-      auto loss = torch::nn::functional::cross_entropy(
-          model.forward(x), y, torch::nn::functional::CrossEntropyFuncOptions().label_smoothing(o.smoothing));
+      at::Tensor loss;
+      {
+        AutocastScope autocast(o.amp, o.device.type(), o.amp_dtype);
+        loss = torch::nn::functional::cross_entropy(
+            model.forward(x), y, torch::nn::functional::CrossEntropyFuncOptions().label_smoothing(o.smoothing));
+      }
       if (accum > 1) loss = loss / double(accum);
-      loss.backward();
+      (o.scaler ? o.scaler->scale(loss) : loss).backward();
       const double loss_v = loss.item<double>() * double(std::max<int64_t>(accum, 1));
       if (!std::isfinite(loss_v))
         throw UserError(fmt::format("training diverged: loss is {} at epoch {} update {} (lower --lr?)", loss_v,
@@ -249,12 +273,16 @@ double train_one_epoch(ClassifierImpl& model, data::Loader& loader, optim::Optim
       data_start = Clock::now();
       continue;
     }
+    bool finite = true;
+    if (o.scaler) finite = o.scaler->unscale(model.parameters());  // before clipping, as GradScaler.unscale_
     if (o.clip_grad) {
       auto params = model.parameters();
       if (o.clip_mode == "agc" && params.size() >= 2) params.resize(params.size() - 2);  // timm: head excluded
       clip_gradients(params, *o.clip_grad, o.clip_mode);
     }
-    optimizer.step();
+    if (finite) optimizer.step();
+    else ++res.skipped_steps;
+    if (o.scaler) o.scaler->update();
     optimizer.zero_grad();
     ++num_updates;
     if (ema) ema->update(model, num_updates);
@@ -271,7 +299,8 @@ double train_one_epoch(ClassifierImpl& model, data::Loader& loader, optim::Optim
     update_samples = 0;
     data_start = Clock::now();
   }
-  return losses.avg();
+  res.loss = losses.avg();
+  return res;
 }
 
 int train(const cli::Config& cfg) {
@@ -282,6 +311,10 @@ int train(const cli::Config& cfg) {
   const auto device = resolve_device(cfg.device);
   const auto& defaults = model_zoo::model_defaults(cfg.model);  // unknown model fails before data loading
   const DataConfig dc = resolve_data_config(cfg, defaults);
+  const Amp amp = resolve_amp(cfg);
+  std::unique_ptr<LossScaler> scaler;
+  if (amp.enabled && amp.dtype == at::kHalf)
+    scaler = std::make_unique<LossScaler>(cfg.loss_scale.value_or(65536.0), !cfg.loss_scale, device);
 
   auto train_ds = data::create_dataset(cfg.dataset, cfg.data_dir, cfg.train_split);
   auto eval_ds = data::create_dataset(cfg.dataset, cfg.data_dir, cfg.val_split);
@@ -300,6 +333,13 @@ int train(const cli::Config& cfg) {
   auto model = model_zoo::create_model(cfg.model, margs);
   log::info("Model {} created, param count:{}", cfg.model, model_zoo::count_params(*model));
   load_pretrained_weights(*model, cfg, defaults);
+  if (scaler)
+    log::info("Using native Torch AMP. Training in mixed precision ({} loss scaling).",
+              cfg.loss_scale ? fmt::format("static {}", *cfg.loss_scale) : std::string("dynamic"));
+  else if (amp.enabled)
+    log::info("Using native Torch AMP. Training in mixed precision (bfloat16, no loss scaling).");
+  else
+    log::info("AMP not enabled. Training in float32.");
 
   if (!cfg.initial_checkpoint.empty()) {
     auto st = io::load_safetensors(cfg.initial_checkpoint);
@@ -413,6 +453,12 @@ int train(const cli::Config& cfg) {
         if (k.rfind("optim.", 0) == 0) ost[k.substr(6)] = v;
       optimizer->load_state(ost);
     }
+    if (scaler) {
+      std::map<std::string, at::Tensor> sst;
+      for (auto& [k, v] : st.tensors)
+        if (k.rfind("scaler.", 0) == 0) sst[k.substr(7)] = v;
+      scaler->load_state(sst);
+    }
     if (auto* rng = st.find("rng.cpu")) { auto g = at::detail::getDefaultCPUGenerator(); g.set_state(*rng); }
     start_epoch = std::stoll(meta("epoch")) + 1;
     num_updates = std::stoll(meta("num_updates"));
@@ -446,16 +492,23 @@ int train(const cli::Config& cfg) {
   eo.mean = dc.mean;
   eo.std = dc.std;
   eo.device = device;
+  eo.amp = amp.enabled;
+  eo.amp_dtype = amp.dtype;
+  eo.scaler = scaler.get();
   for (int64_t epoch = start_epoch; epoch < num_epochs; ++epoch) {
     optimizer->set_lr(scheduler.lr_at(epoch));
     eo.epoch = epoch;
-    const double train_loss = train_one_epoch(*model, train_loader, *optimizer, ema.get(), num_updates, eo);
+    const auto res = train_one_epoch(*model, train_loader, *optimizer, ema.get(), num_updates, eo);
+    const double train_loss = res.loss;
     if (train_loader.skipped_this_epoch())
       log::warn("epoch {}: skipped {} unreadable image(s) in training", epoch, train_loader.skipped_this_epoch());
 
-    last_eval = evaluate(*model, eval_loader, norm, device, cfg.log_interval, "");
+    if (res.skipped_steps)
+      log::warn("epoch {}: skipped {} optimizer step(s) with non-finite gradients (loss scale now {})", epoch,
+                res.skipped_steps, scaler ? scaler->value() : 0.0);
+    last_eval = evaluate(*model, eval_loader, norm, device, cfg.log_interval, "", amp);
     if (ema && !cfg.model_ema_force_cpu)  // as timm: the EMA's metrics are the epoch's
-      last_eval = evaluate(ema->module(), eval_loader, norm, device, cfg.log_interval, " (EMA)");
+      last_eval = evaluate(ema->module(), eval_loader, norm, device, cfg.log_interval, " (EMA)", amp);
     const double metric = cfg.eval_metric == "top5" ? last_eval.top5 : cfg.eval_metric == "loss" ? last_eval.loss : last_eval.top1;
 
     // summary.csv with timm's columns.
@@ -477,6 +530,8 @@ int train(const cli::Config& cfg) {
       if (ema)
         for (auto& [k, v] : io::state_dict(ema->module())) tensors.emplace_back("ema." + k, v);
       for (auto& [k, v] : optimizer->state()) tensors.emplace_back("optim." + k, v);
+      if (scaler)
+        for (auto& [k, v] : scaler->state()) tensors.emplace_back("scaler." + k, v);
       tensors.emplace_back("rng.cpu", at::detail::getDefaultCPUGenerator().get_state());
       std::map<std::string, std::string> md{{"epoch", std::to_string(epoch)},
                                             {"arch", cfg.model},
@@ -549,7 +604,7 @@ int validate(const cli::Config& cfg) {
   lo.workers = cfg.workers;
   lo.pin_memory = cfg.pin_mem && device.is_cuda();
   data::Loader loader(ds, tc, lo);
-  auto m = evaluate(*model, loader, Normalizer(dc), device, cfg.log_interval, "", true);
+  auto m = evaluate(*model, loader, Normalizer(dc), device, cfg.log_interval, "", resolve_amp(cfg), true);
   log::info(" * Acc@1 {:.3f} ({:.3f}) Acc@5 {:.3f} ({:.3f})", m.top1, 100 - m.top1, m.top5, 100 - m.top5);
 
   auto round_to = [](double v, int digits) {

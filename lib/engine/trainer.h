@@ -3,6 +3,7 @@
 #pragma once
 #include "cli/config.h"
 #include "data/loader.h"
+#include "engine/amp.h"
 #include "engine/ema.h"
 #include "optim/optim.h"
 
@@ -19,6 +20,14 @@ struct EpochOptions {
   int64_t log_interval = 50;
   std::vector<double> mean, std;  // normalisation, in [0, 1] units
   torch::Device device = torch::kCPU;
+  bool amp = false;  // autocast forward and loss to amp_dtype
+  at::ScalarType amp_dtype = at::kHalf;
+  LossScaler* scaler = nullptr;  // float16: scale the loss, skip non-finite steps
+};
+
+struct EpochResult {
+  double loss = 0;            // average of the unscaled loss
+  int64_t skipped_steps = 0;  // optimizer updates skipped for non-finite gradients
 };
 
 // timm's dispatch_clip_grad: norm (total 2-norm), value, or agc (unit-wise adaptive clipping
@@ -27,8 +36,8 @@ void clip_gradients(std::vector<at::Tensor> params, double value, const std::str
 
 // One epoch of timm's train_one_epoch for classification: per micro-batch the loss / A and
 // backward; per update clipping, the optimizer step, zero_grad, the EMA update and a log line.
-// `num_updates` counts optimizer updates across epochs. Returns the average (unscaled) loss.
-double train_one_epoch(ClassifierImpl& model, data::Loader& loader, optim::Optimizer& optimizer, ModelEma* ema,
+// `num_updates` counts optimizer updates across epochs (skipped ones included, as timm counts).
+EpochResult train_one_epoch(ClassifierImpl& model, data::Loader& loader, optim::Optimizer& optimizer, ModelEma* ema,
                        int64_t& num_updates, const EpochOptions& o);
 
 // Both return the process exit code; user errors are thrown as UserError.

@@ -208,6 +208,27 @@ TEST_CASE("EMA, accumulation and clipping train, checkpoint, resume and export",
   CHECK_FALSE(torch::equal(*e.find("conv1.weight"), *st2.find("model.conv1.weight")));
 }
 
+TEST_CASE("mixed precision: float16 with a loss scaler, bfloat16 without", "[integration]") {
+  auto data = fmnist_folder(200, 100);
+  test::TempDir out("amp");
+  auto r = test::run(kBin + " train --data-dir " + data + kSmallArgs + " --epochs 1 --amp --output " +
+                     out.path.string() + " --experiment h");
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK_THAT(r.output, Catch::Contains("mixed precision (dynamic loss scaling)"));
+  auto st = io::load_safetensors(out / "h/last.safetensors");
+  REQUIRE(st.find("scaler.scale") != nullptr);
+  CHECK(st.find("scaler.scale")->item<float>() > 0);
+  auto b = test::run(kBin + " train --data-dir " + data + kSmallArgs + " --epochs 1 --amp-opt-level O1 " +
+                     "--amp-dtype bfloat16 --output " + out.path.string() + " --experiment b");
+  INFO(b.output);
+  CHECK(b.code == 0);
+  CHECK_THAT(b.output, Catch::Contains("bfloat16, no loss scaling"));
+  expect_user_error(test::run(kBin + " train --data-dir " + data + kSmallArgs + " --amp-opt-level O2 --output " +
+                              out.path.string()),
+                    "O2: not implemented yet");
+}
+
 TEST_CASE("a corrupt image is skipped with a warning naming it, and training completes", "[integration]") {
   auto data = fmnist_folder(200, 100);
   test::TempDir d("corrupt");

@@ -230,9 +230,10 @@ namespace {
 // A BatchNorm-free classifier: flatten, then one linear layer.
 struct LinearNetImpl : ClassifierImpl {
   torch::nn::Linear fc{nullptr};
+  double gain = 1.0;  // a huge gain makes the scaled loss overflow: an injected inf
   explicit LinearNetImpl(int64_t in) { fc = register_module("fc", torch::nn::Linear(in, 3)); }
   at::Tensor forward_features(const at::Tensor& x) override { return x.flatten(1); }
-  at::Tensor forward_head(const at::Tensor& x, bool) override { return fc(x); }
+  at::Tensor forward_head(const at::Tensor& x, bool) override { return fc(x) * gain; }
   int64_t num_classes() const override { return 3; }
   int64_t num_features() const override { return fc->options.in_features(); }
 };
@@ -277,7 +278,7 @@ at::Tensor train_linear(int64_t batch, int64_t accum, const std::string& opt) {
   int64_t updates = 0;
   for (int64_t e = 0; e < 2; ++e) {
     eo.epoch = e;
-    engine::train_one_epoch(*model, loader, *o, nullptr, updates, eo);
+    engine::train_one_epoch(*model, loader, *o, nullptr, updates, eo);  // NOLINT
   }
   CHECK(updates == 2 * 32 / (batch * accum));
   return model->fc->weight.detach().clone();
@@ -296,4 +297,76 @@ TEST_CASE("accumulating A micro-batches of b equals one batch of A*b", "[engine]
     auto small = train_linear(4, 1, opt);
     CHECK((one - small).abs().max().item<double>() > 1e-3);
   }
+}
+
+TEST_CASE("loss scaler: unscale, skip on inf with backoff, growth after the interval", "[engine][amp]") {
+  engine::LossScaler s(1024.0, true, torch::kCPU, 2.0, 0.5, 2);
+  auto p = torch::zeros({3}, torch::requires_grad());
+  auto q = torch::zeros({2}, torch::requires_grad());
+  CHECK(s.scale(torch::tensor(2.0)).item<double>() == 2048.0);
+  p.mutable_grad() = torch::tensor({1024.0f, 2048.0f, -512.0f});
+  q.mutable_grad() = torch::tensor({512.0f, 0.0f});
+  CHECK(s.unscale({p, q}));
+  CHECK(torch::equal(p.grad(), torch::tensor({1.0f, 2.0f, -0.5f})));
+  CHECK(torch::equal(q.grad(), torch::tensor({0.5f, 0.0f})));
+  s.update();
+  CHECK(s.value() == 1024.0);  // one finite step of an interval of 2
+  q.mutable_grad() = torch::tensor({1.0f, 1.0f});
+  p.mutable_grad() = torch::tensor({1.0f, 1.0f, 1.0f});
+  CHECK(s.unscale({p, q}));
+  s.update();
+  CHECK(s.value() == 2048.0);  // grows after 2 finite steps
+  p.mutable_grad() = torch::tensor({1.0f, std::numeric_limits<float>::infinity(), 1.0f});
+  CHECK_FALSE(s.unscale({p, q}));
+  s.update();
+  CHECK(s.value() == 1024.0);  // backs off
+  p.mutable_grad() = torch::tensor({std::nanf(""), 0.0f, 0.0f});
+  CHECK_FALSE(s.unscale({p}));
+  // A static scale never changes.
+  engine::LossScaler st(64.0, false, torch::kCPU);
+  CHECK_FALSE(st.unscale({p}));
+  st.update();
+  CHECK(st.value() == 64.0);
+  // State round trip.
+  engine::LossScaler r(1.0, true, torch::kCPU);
+  std::map<std::string, at::Tensor> m;
+  for (auto& [k, v] : s.state()) m[k] = v;
+  r.load_state(m);
+  CHECK(r.value() == 1024.0);
+}
+
+TEST_CASE("a skipped step leaves the weights alone and training goes on", "[engine][amp]") {
+  torch::manual_seed(1);
+  auto model = std::make_shared<LinearNetImpl>(6 * 6 * 3);
+  data::TransformConfig tc;
+  tc.size = 6;
+  data::LoaderOptions lo;
+  lo.batch_size = 8;
+  lo.workers = 0;
+  data::Loader loader(std::make_shared<Patterns>(), tc, lo);
+  optim::OptimizerArgs oa;
+  oa.lr = 0.05;
+  std::vector<std::pair<std::string, at::Tensor>> named;
+  for (auto& p : model->named_parameters()) named.emplace_back(p.key(), p.value());
+  auto o = optim::create_optimizer(oa, named);
+  engine::LossScaler s(65536.0, true, torch::kCPU);
+  engine::EpochOptions eo;
+  eo.mean = {0.5, 0.5, 0.5};
+  eo.std = {0.25, 0.25, 0.25};
+  eo.scaler = &s;
+  eo.log_interval = 1000;
+  auto before = model->fc->weight.detach().clone();
+  int64_t updates = 0;
+  model->gain = 1e35;  // loss ~1e35, times the scale: inf
+  auto res = engine::train_one_epoch(*model, loader, *o, nullptr, updates, eo);
+  CHECK(res.skipped_steps == 4);
+  CHECK(s.value() == 65536.0 / 16);  // halved at every skipped update
+  CHECK(torch::equal(before, model->fc->weight.detach()));
+  model->gain = 1.0;
+  eo.epoch = 1;
+  res = engine::train_one_epoch(*model, loader, *o, nullptr, updates, eo);
+  CHECK(res.skipped_steps == 0);
+  CHECK_FALSE(torch::equal(before, model->fc->weight.detach()));
+  CHECK(std::isfinite(res.loss));
+  CHECK(updates == 8);
 }

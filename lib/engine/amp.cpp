@@ -1,0 +1,70 @@
+#include "engine/amp.h"
+
+#include <ATen/autocast_mode.h>
+#include <torch/torch.h>
+
+namespace imgtrain::engine {
+
+AutocastScope::AutocastScope(bool enabled, c10::DeviceType device, at::ScalarType dtype)
+    : enabled_(enabled), device_(device) {
+  if (!enabled_) return;
+  prev_enabled_ = at::autocast::is_autocast_enabled(device_);
+  prev_dtype_ = at::autocast::get_autocast_dtype(device_);
+  at::autocast::set_autocast_enabled(device_, true);
+  at::autocast::set_autocast_dtype(device_, dtype);
+  at::autocast::increment_nesting();
+}
+
+AutocastScope::~AutocastScope() {
+  if (!enabled_) return;
+  // As torch.autocast's __exit__: the weight-cast cache lives only for the outermost region.
+  if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+  at::autocast::set_autocast_enabled(device_, prev_enabled_);
+  at::autocast::set_autocast_dtype(device_, prev_dtype_);
+}
+
+LossScaler::LossScaler(double init_scale, bool dynamic, c10::Device device, double growth, double backoff,
+                       int64_t interval)
+    : dynamic_(dynamic), growth_(growth), backoff_(backoff), interval_(interval) {
+  auto f = torch::TensorOptions().dtype(torch::kFloat32).device(device);
+  scale_ = torch::full({}, init_scale, f);
+  growth_tracker_ = torch::zeros({}, f.dtype(torch::kInt32));
+  found_inf_ = torch::zeros({}, f);
+}
+
+bool LossScaler::unscale(const std::vector<at::Tensor>& params) {
+  torch::NoGradGuard ng;
+  found_inf_.zero_();
+  auto inv = scale_.to(torch::kDouble).reciprocal().to(torch::kFloat32);
+  // The fused kernel wants one device and dtype per call.
+  std::map<std::pair<std::string, int>, std::vector<at::Tensor>> groups;
+  for (auto& p : params)
+    if (p.grad().defined()) groups[{p.grad().device().str(), int(p.grad().scalar_type())}].push_back(p.grad());
+  for (auto& [key, grads] : groups) {
+    const auto dev = grads.front().device();
+    auto fi = found_inf_.to(dev);
+    at::_amp_foreach_non_finite_check_and_unscale_(grads, fi, inv.to(dev));
+    if (fi.device() != found_inf_.device()) found_inf_.add_(fi.to(found_inf_.device()));
+    else if (!fi.is_same(found_inf_)) found_inf_.add_(fi);
+  }
+  return found_inf_.item<float>() == 0.0f;
+}
+
+void LossScaler::update() {
+  if (!dynamic_) return;
+  at::_amp_update_scale_(scale_, growth_tracker_, found_inf_, growth_, backoff_, interval_);
+}
+
+double LossScaler::value() const { return scale_.item<double>(); }
+
+std::vector<std::pair<std::string, at::Tensor>> LossScaler::state() const {
+  return {{"scale", scale_}, {"growth_tracker", growth_tracker_}};
+}
+
+void LossScaler::load_state(const std::map<std::string, at::Tensor>& st) {
+  torch::NoGradGuard ng;
+  if (auto it = st.find("scale"); it != st.end()) scale_.copy_(it->second);
+  if (auto it = st.find("growth_tracker"); it != st.end()) growth_tracker_.copy_(it->second);
+}
+
+}  // namespace imgtrain::engine

@@ -1,0 +1,52 @@
+// Mixed precision as timm runs it: autocast over forward and loss (torch.autocast), and for
+// float16 a loss scaler with torch.amp.GradScaler's semantics (init 2^16, growth 2 every 2000
+// finite updates, backoff 0.5 on a non-finite gradient, whose step is skipped), or a static
+// scale (--loss-scale N: never changes, non-finite steps still skipped).
+#pragma once
+#include <ATen/core/Tensor.h>
+#include <c10/core/DeviceType.h>
+
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace imgtrain::engine {
+
+// RAII: autocast on `device` to `dtype` while alive (no-op when disabled).
+class AutocastScope {
+ public:
+  AutocastScope(bool enabled, c10::DeviceType device, at::ScalarType dtype);
+  ~AutocastScope();
+  AutocastScope(const AutocastScope&) = delete;
+  AutocastScope& operator=(const AutocastScope&) = delete;
+
+ private:
+  bool enabled_;
+  c10::DeviceType device_;
+  bool prev_enabled_ = false;
+  at::ScalarType prev_dtype_ = at::kFloat;
+};
+
+class LossScaler {
+ public:
+  // dynamic: GradScaler; otherwise a static scale of `init_scale`.
+  LossScaler(double init_scale, bool dynamic, c10::Device device, double growth = 2.0, double backoff = 0.5,
+             int64_t interval = 2000);
+  at::Tensor scale(const at::Tensor& loss) const { return loss * scale_; }
+  // Unscales the gradients of `params` in place; returns false when any is inf or NaN.
+  bool unscale(const std::vector<at::Tensor>& params);
+  // After the optimizer step (or its skip): the dynamic scale grows or backs off.
+  void update();
+  double value() const;
+  std::vector<std::pair<std::string, at::Tensor>> state() const;
+  void load_state(const std::map<std::string, at::Tensor>& st);
+
+ private:
+  at::Tensor scale_, growth_tracker_, found_inf_;
+  bool dynamic_;
+  double growth_, backoff_;
+  int64_t interval_;
+};
+
+}  // namespace imgtrain::engine
