@@ -63,6 +63,16 @@ struct Config {
   double hflip = 0.5;
   std::string train_interpolation = "random";
   double smoothing = 0.1;
+  double mixup = 0.0;
+  double cutmix = 0.0;
+  std::vector<double> cutmix_minmax;  // empty: unset
+  double mixup_prob = 1.0;
+  double mixup_switch_prob = 0.5;
+  std::string mixup_mode = "batch";
+  int64_t mixup_off_epoch = 0;
+  bool bce_loss = false;
+  std::optional<double> bce_target_thresh;
+  bool bce_sum = false;
   double drop = 0.0;
   std::optional<double> drop_path;
   // EMA

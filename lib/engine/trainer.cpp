@@ -2,6 +2,7 @@
 
 #include "core/error.h"
 #include "core/log.h"
+#include "core/rng.h"
 #include "data/loader.h"
 #include "data/normalize.h"
 #include "engine/checkpoint.h"
@@ -253,12 +254,15 @@ EpochResult train_one_epoch(ClassifierImpl& model, data::Loader& loader, optim::
     const int64_t accum = batch_idx >= last_batch_idx_to_accum ? last_accum : o.accum_steps;
     if (b->labels.size(0) > 0) {
       auto x = data::normalize_nhwc_u8(b->images.to(o.device, /*non_blocking=*/true), o.mean, o.std);
-      auto y = b->labels.to(o.device);
+      at::Tensor y = b->labels.to(o.device);
+      if (o.mixup.active() && o.mixup_enabled && x.size(0) % 2 == 0) {
+        auto rng = sample_rng(o.seed ^ 0x6d69787570ull, uint64_t(o.epoch), uint64_t(batch_idx));
+        y = data::apply_mixup(x, y, o.mixup, rng);
+      }
       at::Tensor loss;
       {
         AutocastScope autocast(o.amp, o.device.type(), o.amp_dtype);
-        loss = torch::nn::functional::cross_entropy(
-            model.forward(x), y, torch::nn::functional::CrossEntropyFuncOptions().label_smoothing(o.smoothing));
+        loss = train_loss(model.forward(x), y, o.loss);
       }
       if (accum > 1) loss = loss / double(accum);
       (o.scaler ? o.scaler->scale(loss) : loss).backward();
@@ -321,6 +325,9 @@ int train(const cli::Config& cfg) {
   const int64_t num_classes = cfg.num_classes.value_or(train_ds->num_classes());
   check_labels(*train_ds, num_classes, "train");
   check_labels(*eval_ds, num_classes, "validation");
+  if ((cfg.mixup > 0 || cfg.cutmix > 0 || !cfg.cutmix_minmax.empty()) && cfg.batch_size % 2)
+    throw UserError(fmt::format("--batch-size {}: mixup/cutmix mixes each sample with its mirror and needs an even "
+                                "batch size", cfg.batch_size));
   if (int64_t(train_ds->size()) < cfg.batch_size)
     throw UserError(fmt::format("--batch-size {}: the train split has only {} images (batches drop the remainder)",
                                 cfg.batch_size, train_ds->size()));
@@ -485,7 +492,19 @@ int train(const cli::Config& cfg) {
   EvalMetrics last_eval;
   EpochOptions eo;
   eo.accum_steps = cfg.grad_accum_steps;
-  eo.smoothing = cfg.smoothing;
+  eo.seed = uint64_t(cfg.seed);
+  eo.loss.smoothing = cfg.smoothing;
+  eo.loss.bce = cfg.bce_loss;
+  eo.loss.bce_target_thresh = cfg.bce_target_thresh;
+  eo.loss.bce_sum = cfg.bce_sum;
+  eo.mixup.mixup_alpha = cfg.mixup;
+  eo.mixup.cutmix_alpha = cfg.cutmix;
+  eo.mixup.cutmix_minmax = cfg.cutmix_minmax;
+  eo.mixup.prob = cfg.mixup_prob;
+  eo.mixup.switch_prob = cfg.mixup_switch_prob;
+  eo.mixup.mode = cfg.mixup_mode;
+  eo.mixup.label_smoothing = cfg.smoothing;
+  eo.mixup.num_classes = num_classes;
   eo.clip_grad = cfg.clip_grad;
   eo.clip_mode = cfg.clip_mode;
   eo.log_interval = cfg.log_interval;
@@ -498,6 +517,7 @@ int train(const cli::Config& cfg) {
   for (int64_t epoch = start_epoch; epoch < num_epochs; ++epoch) {
     optimizer->set_lr(scheduler.lr_at(epoch));
     eo.epoch = epoch;
+    eo.mixup_enabled = !(cfg.mixup_off_epoch && epoch >= cfg.mixup_off_epoch);
     const auto res = train_one_epoch(*model, train_loader, *optimizer, ema.get(), num_updates, eo);
     const double train_loss = res.loss;
     if (train_loader.skipped_this_epoch())

@@ -3,8 +3,10 @@
 #pragma once
 #include "cli/config.h"
 #include "data/loader.h"
+#include "data/mixup.h"
 #include "engine/amp.h"
 #include "engine/ema.h"
+#include "engine/loss.h"
 #include "optim/optim.h"
 
 #include <optional>
@@ -14,7 +16,10 @@ namespace imgtrain::engine {
 struct EpochOptions {
   int64_t epoch = 0;
   int64_t accum_steps = 1;  // micro-batches per optimizer update (timm --grad-accum-steps)
-  double smoothing = 0.0;
+  LossConfig loss;
+  data::MixupConfig mixup;    // active() when mixup or cutmix is asked for
+  bool mixup_enabled = true;  // false from --mixup-off-epoch on
+  uint64_t seed = 42;         // mixup draws come from (seed, epoch, batch index)
   std::optional<double> clip_grad;
   std::string clip_mode = "norm";
   int64_t log_interval = 50;

@@ -229,6 +229,20 @@ TEST_CASE("mixed precision: float16 with a loss scaler, bfloat16 without", "[int
                     "O2: not implemented yet");
 }
 
+TEST_CASE("mixup, cutmix and BCE loss train end to end", "[integration]") {
+  auto data = fmnist_folder(200, 100);
+  test::TempDir out("mix");
+  auto r = test::run(kBin + " train --data-dir " + data + kSmallArgs + " --epochs 2 --mixup 0.2 --cutmix 1.0 " +
+                     "--mixup-mode pair --mixup-off-epoch 1 --bce-loss --output " + out.path.string() +
+                     " --experiment m");
+  INFO(r.output);
+  CHECK(r.code == 0);
+  CHECK_THAT(r.output, Catch::Contains("Train: 1 [   3/4 (100%)]"));
+  expect_user_error(test::run(kBin + " train --data-dir " + data + kSmallArgs + " -b 25 --mixup 0.2 --output " +
+                              out.path.string()),
+                    "even batch size");
+}
+
 TEST_CASE("a corrupt image is skipped with a warning naming it, and training completes", "[integration]") {
   auto data = fmnist_folder(200, 100);
   test::TempDir d("corrupt");

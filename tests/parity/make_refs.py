@@ -194,6 +194,21 @@ w3 = torch.randn(4, 3, 3, 3, generator=g)
 sched['adapt.w3'] = w3
 for c in (1, 2, 4, 7):
     sched[f'adapt.c{c}'] = adapt_input_conv(c, w3.clone()).contiguous()
+# Mixup targets and the losses train.py picks with mixup / --bce-loss.
+from timm.data.mixup import mixup_target
+from timm.loss import BinaryCrossEntropy, SoftTargetCrossEntropy
+tgt = torch.tensor([0, 3, 9, 3, 5, 1])
+sched['mix.target'] = tgt
+sched['mix.batch'] = mixup_target(tgt, 10, lam=0.7, smoothing=0.1)
+lam_elem = torch.tensor([[0.9], [0.2], [1.0], [0.5], [0.33], [0.75]])
+sched['mix.lam_elem'] = lam_elem
+sched['mix.elem'] = mixup_target(tgt, 10, lam=lam_elem, smoothing=0.1)
+lg = torch.randn(6, 10, generator=g)
+sched['loss.logits'] = lg
+sched['loss.soft'] = SoftTargetCrossEntropy()(lg, sched['mix.batch']).reshape(1)
+sched['loss.bce_idx'] = BinaryCrossEntropy(smoothing=0.1)(lg, tgt).reshape(1)
+sched['loss.bce_dense_thresh'] = BinaryCrossEntropy(target_threshold=0.2)(lg, sched['mix.batch']).reshape(1)
+sched['loss.bce_sum'] = BinaryCrossEntropy(smoothing=0.1, sum_classes=True)(lg, tgt).reshape(1)
 save_file(sched, os.path.join(out, 'misc.safetensors'), metadata={'no_decay': json.dumps(no_decay)})
 
 # An offline Hugging Face hub cache holding timm-format resnet18 weights (random, 1000 classes).

@@ -1,5 +1,7 @@
 // Compares imgtrain with timm / torch on references written by make_refs.py (same inputs).
 #include "data/loader.h"
+#include "data/mixup.h"
+#include "engine/loss.h"
 #include "engine/checkpoint.h"
 #include "engine/ema.h"
 #include "engine/trainer.h"
@@ -341,4 +343,25 @@ TEST_CASE("EMA matches timm's ModelEmaV3, warmup included", "[parity][ema]") {
       }
     }
   }
+}
+
+TEST_CASE("mixup targets and the soft-target / BCE losses match timm", "[parity][mixup]") {
+  auto st = load_ref("misc.safetensors");
+  auto tgt = *st.find("mix.target");
+  CHECK(max_abs_diff(data::mixup_target(tgt, 10, torch::tensor(0.7), 0.1), *st.find("mix.batch")) < 1e-6);
+  CHECK(max_abs_diff(data::mixup_target(tgt, 10, *st.find("mix.lam_elem"), 0.1), *st.find("mix.elem")) < 1e-6);
+  auto lg = *st.find("loss.logits");
+  engine::LossConfig c;
+  CHECK(engine::train_loss(lg, *st.find("mix.batch"), c).item<double>() ==
+        Approx(st.find("loss.soft")->item<double>()).epsilon(1e-6));
+  c.bce = true;
+  c.smoothing = 0.1;
+  CHECK(engine::train_loss(lg, tgt, c).item<double>() == Approx(st.find("loss.bce_idx")->item<double>()).epsilon(1e-6));
+  c.bce_sum = true;
+  CHECK(engine::train_loss(lg, tgt, c).item<double>() == Approx(st.find("loss.bce_sum")->item<double>()).epsilon(1e-6));
+  c.bce_sum = false;
+  c.smoothing = 0;
+  c.bce_target_thresh = 0.2;
+  CHECK(engine::train_loss(lg, *st.find("mix.batch"), c).item<double>() ==
+        Approx(st.find("loss.bce_dense_thresh")->item<double>()).epsilon(1e-6));
 }

@@ -1,6 +1,7 @@
 #include "core/error.h"
 #include "data/dataset.h"
 #include "data/loader.h"
+#include "data/mixup.h"
 #include "data/normalize.h"
 #include "data/transforms.h"
 #include "test_util.h"
@@ -314,4 +315,38 @@ TEST_CASE("device normalisation matches the per-element formula", "[data][normal
         for (int w = 0; w < 7; ++w)
           worst = std::max(worst, std::abs(ya[n][c][h][w] - (xa[n][h][w][c] / 255.0 - mean[c]) / sd[c]));
   CHECK(worst < 1e-5);
+}
+
+TEST_CASE("mixup and cutmix mix each sample with its mirror", "[data][mixup]") {
+  auto x0 = torch::arange(4 * 1 * 8 * 8, torch::kFloat32).view({4, 1, 8, 8});
+  auto y = torch::tensor({0, 1, 2, 3});
+  MixupConfig c;
+  c.num_classes = 4;
+  c.label_smoothing = 0.0;
+  c.mixup_alpha = 0.4;
+  std::mt19937_64 rng(3);
+  auto x = x0.clone();
+  auto t = apply_mixup(x, y, c, rng);
+  // batch mode: one lam; x = lam x + (1 - lam) flip(x); the target row for sample 0 says the same.
+  double lam = t[0][0].item<double>();
+  CHECK(t[0][3].item<double>() == Approx(1 - lam));
+  CHECK((x - (x0 * lam + x0.flip(0) * (1 - lam))).abs().max().item<double>() < 1e-3);
+  // cutmix: a box of the mirror image, and lam = 1 - box area / image area.
+  c.mixup_alpha = 0;
+  c.cutmix_alpha = 1.0;
+  for (int k = 0; k < 20; ++k) {
+    x = x0.clone();
+    t = apply_mixup(x, y, c, rng);
+    auto from_mirror = (x != x0) & (x == x0.flip(0));
+    double frac = from_mirror[0].to(torch::kFloat32).mean().item<double>();
+    CHECK(t[0][0].item<double>() == Approx(1.0 - frac).margin(1e-6));
+    CHECK(((x == x0) | (x == x0.flip(0))).all().item<bool>());
+  }
+  // elem mode: per-sample lams, sample i with n-1-i; prob 0 leaves everything alone.
+  c.mode = "elem";
+  c.prob = 0.0;
+  x = x0.clone();
+  t = apply_mixup(x, y, c, rng);
+  CHECK(torch::equal(x, x0));
+  CHECK(torch::equal(t, torch::eye(4)));
 }

@@ -271,7 +271,7 @@ at::Tensor train_linear(int64_t batch, int64_t accum, const std::string& opt) {
   auto o = optim::create_optimizer(oa, named);
   engine::EpochOptions eo;
   eo.accum_steps = accum;
-  eo.smoothing = 0.1;
+  eo.loss.smoothing = 0.1;
   eo.log_interval = 1000;
   eo.mean = {0.5, 0.5, 0.5};
   eo.std = {0.25, 0.25, 0.25};
