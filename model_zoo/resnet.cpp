@@ -18,29 +18,30 @@ struct ResNetSpec {
   bool deep_stem = false;  // timm stem_type='deep' with stem_width 32: three 3x3 convs
   bool avg_down = false;   // shortcut downsampling by 2x2 average pooling, then a 1x1 conv
   double crop_pct = 0.95;  // of the default pretrained tag (the first in `tags`)
+  double test_crop_pct = 1.0;  // at test_input_size 288
   std::vector<std::string> tags = {};
 };
 
 const std::vector<ResNetSpec>& specs() {
   static const std::vector<ResNetSpec> s = {
-      {"resnet18", false, {2, 2, 2, 2}, 1, 64, false, false, 0.95,
+      {"resnet18", false, {2, 2, 2, 2}, 1, 64, false, false, 0.95, 1.0,
        {"a1_in1k", "a2_in1k", "a3_in1k", "fb_ssl_yfcc100m_ft_in1k", "fb_swsl_ig1b_ft_in1k", "gluon_in1k", "tv_in1k"}},
-      {"resnet34", false, {3, 4, 6, 3}, 1, 64, false, false, 0.95,
+      {"resnet34", false, {3, 4, 6, 3}, 1, 64, false, false, 0.95, 1.0,
        {"a1_in1k", "a2_in1k", "a3_in1k", "bt_in1k", "gluon_in1k", "ra4_e3600_r224_in1k", "tv_in1k"}},
-      {"resnet50", true, {3, 4, 6, 3}, 1, 64, false, false, 0.95,
+      {"resnet50", true, {3, 4, 6, 3}, 1, 64, false, false, 0.95, 1.0,
        {"a1_in1k", "a1h_in1k", "a2_in1k", "a3_in1k", "am_in1k", "b1k_in1k", "b2k_in1k", "bt_in1k", "c1_in1k",
         "c2_in1k", "d_in1k", "fb_ssl_yfcc100m_ft_in1k", "fb_swsl_ig1b_ft_in1k", "gluon_in1k", "ra_in1k", "ram_in1k",
         "tv2_in1k", "tv_in1k"}},
-      {"resnet101", true, {3, 4, 23, 3}, 1, 64, false, false, 0.95,
+      {"resnet101", true, {3, 4, 23, 3}, 1, 64, false, false, 0.95, 1.0,
        {"a1h_in1k", "a1_in1k", "a2_in1k", "a3_in1k", "gluon_in1k", "tv2_in1k", "tv_in1k"}},
-      {"resnet152", true, {3, 8, 36, 3}, 1, 64, false, false, 0.95,
+      {"resnet152", true, {3, 8, 36, 3}, 1, 64, false, false, 0.95, 1.0,
        {"a1h_in1k", "a1_in1k", "a2_in1k", "a3_in1k", "gluon_in1k", "tv2_in1k", "tv_in1k"}},
-      {"resnext50_32x4d", true, {3, 4, 6, 3}, 32, 4, false, false, 0.95,
+      {"resnext50_32x4d", true, {3, 4, 6, 3}, 32, 4, false, false, 0.95, 1.0,
        {"a1h_in1k", "a1_in1k", "a2_in1k", "a3_in1k", "fb_ssl_yfcc100m_ft_in1k", "fb_swsl_ig1b_ft_in1k",
         "gluon_in1k", "ra_in1k", "tv2_in1k", "tv_in1k"}},
-      {"resnet50d", true, {3, 4, 6, 3}, 1, 64, true, true, 0.875,
+      {"resnet50d", true, {3, 4, 6, 3}, 1, 64, true, true, 0.875, 0.95,
        {"ra2_in1k", "a1_in1k", "a2_in1k", "a3_in1k", "gluon_in1k", "ra4_e3600_r224_in1k"}},
-      {"resnet26d", true, {2, 2, 2, 2}, 1, 64, true, true, 0.875, {"bt_in1k"}},
+      {"resnet26d", true, {2, 2, 2, 2}, 1, 64, true, true, 0.875, 0.95, {"bt_in1k"}},
   };
   return s;
 }
@@ -222,6 +223,8 @@ void register_resnet(Registry<ModelEntry>& r) {
     ModelDefaults d;  // timm's _cfg for ResNets; the default tags are bicubic
     d.interpolation = "bicubic";
     d.crop_pct = spec.crop_pct;
+    d.test_input_size = 288;  // every default ResNet tag is evaluated at 288 in timm
+    d.test_crop_pct = spec.test_crop_pct;
     d.tags = spec.tags;
     d.first_conv = spec.deep_stem ? "conv1.0" : "conv1";
     r.add(spec.name, ModelEntry{[&spec](const ModelArgs& a) -> Model { return std::make_shared<ResNetImpl>(spec, a); },

@@ -18,6 +18,11 @@ int train(const std::vector<std::string>& args) {
   return cfg ? engine::train(*cfg) : 0;
 }
 
+int benchmark(const std::vector<std::string>& args) {
+  auto cfg = cli::parse(cli::Command::Benchmark, args);
+  return cfg ? engine::benchmark(*cfg) : 0;
+}
+
 int validate(const std::vector<std::string>& args) {
   auto cfg = cli::parse(cli::Command::Validate, args);
   return cfg ? engine::validate(*cfg) : 0;

@@ -6,6 +6,7 @@
 namespace imgtrain::app {
 int train(const std::vector<std::string>& args);
 int validate(const std::vector<std::string>& args);
+int benchmark(const std::vector<std::string>& args);
 int models(const std::vector<std::string>& args);
 int export_weights(const std::vector<std::string>& args);
 int version(const char* version);

@@ -20,6 +20,7 @@ const char* kUsage =
     "commands:\n"
     "  train       train a model (timm train.py flags; -c config.yaml)\n"
     "  validate    evaluate a checkpoint (timm validate.py flags)\n"
+    "  benchmark   inference/train throughput on synthetic data (timm benchmark.py flags)\n"
     "  models      list models: imgtrain models ['resnet*'] [--verbose]\n"
     "  export      write a checkpoint's weights as a plain timm state dict (safetensors)\n"
     "\n"
@@ -37,9 +38,10 @@ int main(int argc, char** argv) {
     if (cmd == "--version" || cmd == "version") return imgtrain::app::version(IMGTRAIN_VERSION);
     if (cmd == "train") return imgtrain::app::train(args);
     if (cmd == "validate") return imgtrain::app::validate(args);
+    if (cmd == "benchmark") return imgtrain::app::benchmark(args);
     if (cmd == "models") return imgtrain::app::models(args);
     if (cmd == "export") return imgtrain::app::export_weights(args);
-    std::fprintf(stderr, "imgtrain: unknown command '%s' (expected train, validate, models or export)\n", cmd.c_str());
+    std::fprintf(stderr, "imgtrain: unknown command '%s' (expected train, validate, benchmark, models or export)\n", cmd.c_str());
     return 2;
   } catch (const imgtrain::UserError& e) {
     std::fprintf(stderr, "imgtrain: error: %s\n", e.what());

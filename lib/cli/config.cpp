@@ -19,7 +19,7 @@ using Field = std::variant<int64_t Config::*, double Config::*, std::string Conf
                            std::vector<double> Config::*, std::optional<int64_t> Config::*,
                            std::optional<double> Config::*>;
 
-enum : unsigned { TRAIN = 1, VALIDATE = 2, BOTH = 3 };
+enum : unsigned { TRAIN = 1, VALIDATE = 2, BOTH = 3, BENCH = 4, ALL = 7 };
 
 struct Flag {
   const char* name;   // long name, dashes (the YAML key is the same with underscores)
@@ -44,7 +44,7 @@ std::string smoothing_range(double v) { return v >= 0 && v < 1 ? "" : "a number 
 const std::vector<Flag>& flags() {
   static const std::vector<Flag> f = {
       // model
-      {"model", "", &Config::model, "Name of model to train (see `imgtrain models`)", BOTH},
+      {"model", "", &Config::model, "Name of model to train (see `imgtrain models`)", ALL},
       {"pretrained", "", &Config::pretrained,
        "Start from timm's pretrained weights in the Hugging Face cache (offline; --model name.tag picks a tag)", BOTH},
       {"pretrained-path", "", &Config::pretrained_path, "Start from the weights in this safetensors file", BOTH},
@@ -53,25 +53,25 @@ const std::vector<Flag>& flags() {
       {"no-resume-opt", "", &Config::no_resume_opt, "Do not restore optimizer state when resuming"},
       {"checkpoint", "", &Config::checkpoint, "Checkpoint to validate", VALIDATE},
       {"use-ema", "", &Config::use_ema, "Validate the EMA weights of the checkpoint", VALIDATE},
-      {"num-classes", "", &Config::num_classes, "Number of label classes (default: from the dataset)", BOTH, {},
+      {"num-classes", "", &Config::num_classes, "Number of label classes (default: from the dataset)", ALL, {},
        positive},
-      {"img-size", "", &Config::img_size, "Image size (default: the model's)", BOTH, {}, positive},
-      {"in-chans", "", &Config::in_chans, "Image input channels (default: 3; 1 for grayscale)", BOTH, {}, positive},
+      {"img-size", "", &Config::img_size, "Image size (default: the model's)", ALL, {}, positive},
+      {"in-chans", "", &Config::in_chans, "Image input channels (default: 3; 1 for grayscale)", ALL, {}, positive},
       {"crop-pct", "", &Config::crop_pct, "Eval center crop fraction (default: the model's)", BOTH, {}, crop_range},
       {"interpolation", "", &Config::interpolation, "Eval interpolation (default: the model's)", BOTH,
        {"", "bilinear", "bicubic"}},
-      {"batch-size", "b", &Config::batch_size, "Input batch size per process", BOTH, {}, positive},
+      {"batch-size", "b", &Config::batch_size, "Input batch size per process", ALL, {}, positive},
       {"validation-batch-size", "-vb", &Config::validation_batch_size,
        "Validation batch size (default: --batch-size)", TRAIN, {}, positive},
-      {"device", "", &Config::device, "Device: auto (cuda when available), cpu, cuda, cuda:N", BOTH},
-      {"amp", "", &Config::amp, "Mixed precision: autocast to --amp-dtype (with a loss scaler for float16)", BOTH},
-      {"amp-dtype", "", &Config::amp_dtype, "Autocast dtype", BOTH, {"float16", "bfloat16"}},
+      {"device", "", &Config::device, "Device: auto (cuda when available), cpu, cuda, cuda:N", ALL},
+      {"amp", "", &Config::amp, "Mixed precision: autocast to --amp-dtype (with a loss scaler for float16)", ALL},
+      {"amp-dtype", "", &Config::amp_dtype, "Autocast dtype", ALL, {"float16", "bfloat16"}},
       {"amp-opt-level", "", &Config::amp_opt_level, "apex-style level: O0 = fp32, O1 = autocast (as --amp)", TRAIN,
        {"", "O0", "O1", "O2"}},
       {"loss-scale", "", &Config::loss_scale, "Static loss scale for float16 (default: dynamic scaling)", TRAIN, {},
        positive},
       // optimizer
-      {"opt", "", &Config::opt, "Optimizer", TRAIN, {"sgd", "momentum", "adam", "adamw", "rmsproptf"}},
+      {"opt", "", &Config::opt, "Optimizer", TRAIN | BENCH, {"sgd", "momentum", "adam", "adamw", "rmsproptf"}},
       {"opt-eps", "", &Config::opt_eps, "Optimizer epsilon (default: the optimizer's)", TRAIN, {}, positive},
       {"opt-betas", "", &Config::opt_betas, "Optimizer betas (two numbers; default: the optimizer's)", TRAIN, {},
        probability, 2, false, true},
@@ -148,6 +148,16 @@ const std::vector<Flag>& flags() {
       {"output", "", &Config::output, "Output folder root (default: ./output/train)", TRAIN},
       {"experiment", "", &Config::experiment, "Name of the run's folder under --output", TRAIN},
       {"eval-metric", "", &Config::eval_metric, "Best metric", TRAIN, {"top1", "top5", "loss"}},
+      // validate / benchmark
+      {"results-file", "", &Config::results_file, "Also write the result row to this file", VALIDATE | BENCH},
+      {"results-format", "", &Config::results_format, "Format of --results-file", VALIDATE | BENCH,
+       {"csv", "json"}},
+      {"use-train-size", "", &Config::use_train_size, "Use the model's train input size, not its test size",
+       VALIDATE | BENCH},
+      {"bench", "", &Config::bench, "What to benchmark", BENCH, {"inference", "train", "both"}},
+      {"num-warm-iter", "", &Config::num_warm_iter, "Warm-up iterations", BENCH, {}, non_negative},
+      {"num-bench-iter", "", &Config::num_bench_iter, "Benchmark iterations", BENCH, {}, positive},
+      {"channels-last", "", &Config::channels_last, "Channels-last memory layout", BENCH},
   };
   return f;
 }
@@ -267,6 +277,10 @@ void clear_optional(Config& c, const Flag& f) {
       f.field);
 }
 
+unsigned command_bit(Command cmd) {
+  return cmd == Command::Train ? TRAIN : cmd == Command::Validate ? VALIDATE : BENCH;
+}
+
 void apply_yaml(Config& c, Command cmd, const std::string& path) {
   YAML::Node root;
   try {
@@ -278,7 +292,7 @@ void apply_yaml(Config& c, Command cmd, const std::string& path) {
   }
   if (root.IsNull()) return;
   if (!root.IsMap()) throw UserError(fmt::format("--config '{}': expected a mapping of flag names to values", path));
-  unsigned bit = cmd == Command::Train ? TRAIN : VALIDATE;
+  const unsigned bit = command_bit(cmd);
   for (auto it : root) {
     std::string key = key_of(it.first.as<std::string>());
     const Flag* flag = nullptr;
@@ -310,10 +324,13 @@ void apply_yaml(Config& c, Command cmd, const std::string& path) {
 }  // namespace
 
 std::optional<Config> parse(Command cmd, const std::vector<std::string>& in_args) {
-  unsigned bit = cmd == Command::Train ? TRAIN : VALIDATE;
-  const char* name = cmd == Command::Train ? "imgtrain train" : "imgtrain validate";
-  cxxopts::Options opts(name, cmd == Command::Train ? "Train an image classification model (timm train.py flags)"
-                                                    : "Validate a checkpoint (timm validate.py flags)");
+  const unsigned bit = command_bit(cmd);
+  const char* name = cmd == Command::Train      ? "imgtrain train"
+                     : cmd == Command::Validate ? "imgtrain validate"
+                                                : "imgtrain benchmark";
+  cxxopts::Options opts(name, cmd == Command::Train      ? "Train an image classification model (timm train.py flags)"
+                              : cmd == Command::Validate ? "Validate a checkpoint (timm validate.py flags)"
+                                                         : "Benchmark a model on synthetic data (timm benchmark.py flags)");
   opts.add_options()("c,config", "YAML file of flag defaults (timm args.yaml keys)", cxxopts::value<std::string>())(
       "h,help", "Show this help");
   for (auto& f : flags()) {
@@ -391,6 +408,7 @@ std::optional<Config> parse(Command cmd, const std::vector<std::string>& in_args
     throw UserError(fmt::format("{}: unexpected argument '{}' (flags start with --)", name, r.unmatched()[0]));
 
   Config c;
+  if (cmd != Command::Train) c.batch_size = 256;  // validate.py's and benchmark.py's default
   if (r.count("config")) {
     c.config_file = r["config"].as<std::string>();
     apply_yaml(c, cmd, c.config_file);
@@ -411,7 +429,7 @@ std::optional<Config> parse(Command cmd, const std::vector<std::string>& in_args
 }
 
 std::string to_yaml(Command cmd, const Config& c) {
-  unsigned bit = cmd == Command::Train ? TRAIN : VALIDATE;
+  const unsigned bit = command_bit(cmd);
   YAML::Emitter out;
   out << YAML::BeginMap;
   for (auto& f : flags()) {

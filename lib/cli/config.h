@@ -96,9 +96,17 @@ struct Config {
   std::string experiment;
   std::string eval_metric = "top1";
   std::string config_file;
+  // validate / benchmark
+  std::string results_file;
+  std::string results_format = "csv";
+  bool use_train_size = false;
+  std::string bench = "both";
+  int64_t num_warm_iter = 10;
+  int64_t num_bench_iter = 40;
+  bool channels_last = false;
 };
 
-enum class Command { Train, Validate };
+enum class Command { Train, Validate, Benchmark };
 
 // Parses args (without the program and subcommand names). Returns nullopt when --help was given
 // (the help text has been printed). Throws UserError on any bad input.

@@ -14,6 +14,8 @@ struct ModelDefaults {
   std::array<double, 3> mean{0.485, 0.456, 0.406};
   std::array<double, 3> std{0.229, 0.224, 0.225};
   double crop_pct = 0.875;
+  int64_t test_input_size = 0;  // timm's test_input_size (square side); 0 = same as input_size
+  double test_crop_pct = 0.0;   // 0 = same as crop_pct
   std::string interpolation = "bilinear";
   int64_t num_classes = 1000;
   std::string first_conv = "conv1";

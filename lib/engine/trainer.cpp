@@ -38,17 +38,6 @@ struct AverageMeter {
   double avg() const { return count ? sum / double(count) : 0.0; }
 };
 
-torch::Device resolve_device(const std::string& d) {
-  if (d == "auto") return torch::cuda::is_available() ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU);
-  if (d == "cpu") return torch::kCPU;
-  if (!torch::cuda::is_available())
-    throw UserError(fmt::format("--device '{}': no CUDA device is available here (use --device cpu)", d));
-  int idx = d == "cuda" ? 0 : std::stoi(d.substr(5));
-  if (idx >= int(torch::cuda::device_count()))
-    throw UserError(fmt::format("--device '{}': only {} CUDA device(s) present", d, torch::cuda::device_count()));
-  return torch::Device(torch::kCUDA, c10::DeviceIndex(idx));
-}
-
 // What the model's default config and the flags decide about inputs (timm resolve_data_config).
 struct DataConfig {
   int64_t in_chans = 3;
@@ -106,11 +95,6 @@ std::vector<double> accuracy(const at::Tensor& out, const at::Tensor& target, co
 
 // timm's validate(): log_suffix "" or " (EMA)" in train.py; validate.py's own line format when
 // validate_style is set.
-struct Amp {
-  bool enabled = false;
-  at::ScalarType dtype = at::kHalf;
-};
-
 EvalMetrics evaluate(ClassifierImpl& model, data::Loader& loader, const Normalizer& norm, torch::Device dev,
                      int64_t log_interval, const std::string& log_suffix, Amp amp, bool validate_style = false) {
   torch::NoGradGuard ng;
@@ -179,15 +163,6 @@ void require_file(const std::string& path, const char* flag) {
     throw UserError(fmt::format("{} '{}': cannot open the file", flag, path));
 }
 
-Amp resolve_amp(const cli::Config& cfg) {
-  if (cfg.amp_opt_level == "O2")
-    throw UserError("--amp-opt-level O2: not implemented yet (O0 = float32 and O1 = autocast are)");
-  Amp a;
-  a.enabled = cfg.amp_opt_level == "O1" || (cfg.amp && cfg.amp_opt_level != "O0");
-  a.dtype = cfg.amp_dtype == "bfloat16" ? at::kBFloat16 : at::kHalf;
-  return a;
-}
-
 // --pretrained-path FILE, or --pretrained from the offline Hugging Face cache.
 void load_pretrained_weights(ClassifierImpl& model, const cli::Config& cfg, const ModelDefaults& d) {
   if (!cfg.pretrained && cfg.pretrained_path.empty()) return;
@@ -206,6 +181,43 @@ void load_pretrained_weights(ClassifierImpl& model, const cli::Config& cfg, cons
 }
 
 }  // namespace
+
+// validate.py / benchmark.py --results-file: one row, csv with a header, or json.
+void write_results(const std::string& path, const std::string& format, const nlohmann::ordered_json& row) {
+  if (path.empty()) return;
+  std::ofstream f(path);
+  if (format == "json") {
+    f << row.dump(4) << "\n";
+  } else {
+    std::string head, vals;
+    for (auto& [k, v] : row.items()) {
+      head += (head.empty() ? "" : ",") + k;
+      vals += (vals.empty() ? "" : ",") + (v.is_string() ? v.get<std::string>() : v.dump());
+    }
+    f << head << "\n" << vals << "\n";
+  }
+  if (!f) throw UserError(fmt::format("--results-file '{}': cannot write", path));
+}
+
+torch::Device resolve_device(const std::string& d) {
+  if (d == "auto") return torch::cuda::is_available() ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU);
+  if (d == "cpu") return torch::kCPU;
+  if (!torch::cuda::is_available())
+    throw UserError(fmt::format("--device '{}': no CUDA device is available here (use --device cpu)", d));
+  int idx = d == "cuda" ? 0 : std::stoi(d.substr(5));
+  if (idx >= int(torch::cuda::device_count()))
+    throw UserError(fmt::format("--device '{}': only {} CUDA device(s) present", d, torch::cuda::device_count()));
+  return torch::Device(torch::kCUDA, c10::DeviceIndex(idx));
+}
+
+Amp resolve_amp(const cli::Config& cfg) {
+  if (cfg.amp_opt_level == "O2")
+    throw UserError("--amp-opt-level O2: not implemented yet (O0 = float32 and O1 = autocast are)");
+  Amp a;
+  a.enabled = cfg.amp_opt_level == "O1" || (cfg.amp && cfg.amp_opt_level != "O0");
+  a.dtype = cfg.amp_dtype == "bfloat16" ? at::kBFloat16 : at::kHalf;
+  return a;
+}
 
 void clip_gradients(std::vector<at::Tensor> params, double value, const std::string& mode) {
   if (mode == "norm") {
@@ -563,6 +575,7 @@ int train(const cli::Config& cfg) {
                                             {"num_classes", std::to_string(num_classes)},
                                             {"in_chans", std::to_string(dc.in_chans)},
                                             {"img_size", std::to_string(dc.img_size)},
+                                            {"crop_pct", fmt::format("{}", dc.crop_pct)},
                                             {"version", "2"}};
       io::save_safetensors(path, tensors, md);
     });
@@ -596,7 +609,15 @@ int validate(const cli::Config& cfg) {
   const auto& defaults = model_zoo::model_defaults(arch);
   cli::Config c = cfg;
   if (!c.in_chans) c.in_chans = meta_int("in_chans");
-  if (!c.img_size) c.img_size = meta_int("img_size");
+  if (!c.img_size) {
+    c.img_size = meta_int("img_size");  // a checkpoint's own training size and eval crop
+    if (auto it = st.metadata.find("crop_pct"); c.img_size && !c.crop_pct && it != st.metadata.end())
+      c.crop_pct = std::stod(it->second);
+  }
+  if (!c.img_size && !cfg.use_train_size && defaults.test_input_size) {  // timm: the test size by default
+    c.img_size = defaults.test_input_size;
+    if (!c.crop_pct && defaults.test_crop_pct > 0) c.crop_pct = defaults.test_crop_pct;
+  }
   const DataConfig dc = resolve_data_config(c, defaults);
   auto ds = data::create_dataset(cfg.dataset, cfg.data_dir, cfg.split);
   const int64_t num_classes = cfg.num_classes.value_or(meta_int("num_classes").value_or(ds->num_classes()));
@@ -642,6 +663,7 @@ int validate(const cli::Config& cfg) {
   r["crop_pct"] = dc.crop_pct;
   r["interpolation"] = dc.interpolation;
   std::printf("--result\n%s\n", r.dump(4).c_str());
+  write_results(cfg.results_file, cfg.results_format, r);
   return 0;
 }
 

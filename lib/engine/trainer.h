@@ -9,6 +9,8 @@
 #include "engine/loss.h"
 #include "optim/optim.h"
 
+#include <nlohmann/json.hpp>
+
 #include <optional>
 
 namespace imgtrain::engine {
@@ -45,8 +47,21 @@ void clip_gradients(std::vector<at::Tensor> params, double value, const std::str
 EpochResult train_one_epoch(ClassifierImpl& model, data::Loader& loader, optim::Optimizer& optimizer, ModelEma* ema,
                        int64_t& num_updates, const EpochOptions& o);
 
-// Both return the process exit code; user errors are thrown as UserError.
+// Each returns the process exit code; user errors are thrown as UserError.
 int train(const cli::Config& cfg);
 int validate(const cli::Config& cfg);
+// timm benchmark.py: synthetic inputs, inference and/or train steps, timm's result fields.
+int benchmark(const cli::Config& cfg);
+
+// --device auto|cpu|cuda|cuda:N, checked against what this machine has.
+torch::Device resolve_device(const std::string& device);
+struct Amp {
+  bool enabled = false;
+  at::ScalarType dtype = at::kHalf;
+};
+// --amp / --amp-dtype / --amp-opt-level.
+Amp resolve_amp(const cli::Config& cfg);
+// --results-file: one result row as csv (header + values) or json; nothing when `path` is empty.
+void write_results(const std::string& path, const std::string& format, const nlohmann::ordered_json& row);
 
 }  // namespace imgtrain::engine

@@ -10,6 +10,7 @@
 #include <opencv2/imgcodecs.hpp>
 #include <torch/torch.h>
 
+#include <nlohmann/json.hpp>
 #include <regex>
 
 namespace fs = std::filesystem;
@@ -96,6 +97,15 @@ TEST_CASE("trains far above chance, validates, resumes at the next epoch, loads 
   std::string vo = v.output;
   REQUIRE(std::regex_search(vo, m, std::regex("\"top1\": ([0-9.]+)")));
   CHECK(std::stod(m[1]) == Approx(top1).margin(1e-3));
+  auto vr = test::run(kBin + " validate --checkpoint " + run + "/last.safetensors --data-dir " + data +
+                      " --device cpu -b 100 --results-file " + (out / "val.csv"));
+  REQUIRE(vr.code == 0);
+  auto vrows = read_csv(out / "val.csv");
+  REQUIRE(vrows.size() == 2);
+  CHECK(vrows[0] == std::vector<std::string>{"model", "top1", "top1_err", "top5", "top5_err", "param_count",
+                                             "img_size", "crop_pct", "interpolation"});
+  CHECK(vrows[1][0] == "resnet18");
+  CHECK(std::stod(vrows[1][1]) == Approx(top1).margin(1e-3));
 
   // Resume: continues at epoch 3, not 0, and appends to the same summary.
   auto r2 = test::run(kBin + " train --data-dir " + data + kSmallArgs + " --epochs 4 --output " + out.path.string() +
@@ -279,6 +289,27 @@ TEST_CASE("user errors give one clear line and exit code 2", "[integration]") {
   expect_user_error(test::run(kBin + " models nosuchmodel"), "no model matches");
   auto r = test::run(kBin + " frobnicate");
   CHECK(r.code == 2);
+}
+
+TEST_CASE("benchmark prints timm's fields and writes the results file", "[integration]") {
+  test::TempDir d("bench");
+  auto r = test::run(kBin + " benchmark --model resnet18 --bench both -b 2 --img-size 64 --num-warm-iter 1 " +
+                     "--num-bench-iter 2 --device cpu --results-file " + (d / "r.json") + " --results-format json");
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  auto j = nlohmann::json::parse(test::read_file(d / "r.json"));
+  for (auto k : {"infer_samples_per_sec", "infer_step_time", "infer_batch_size", "infer_img_size",
+                 "train_samples_per_sec", "train_step_time", "train_batch_size", "train_img_size", "param_count"})
+    CHECK(j.contains(k));
+  CHECK(j["train_batch_size"] == 2);
+  CHECK(j["infer_img_size"] == 64);
+  CHECK(j["param_count"] == 11.69);
+  CHECK(j["train_samples_per_sec"].get<double>() > 0);
+  auto t = test::run(kBin + " benchmark --model resnet18 --bench inference -b 1 --num-warm-iter 0 " +
+                     "--num-bench-iter 1 --device cpu");
+  INFO(t.output);
+  CHECK_THAT(t.output, Catch::Contains("\"infer_img_size\": 288") && !Catch::Contains("train_"));  // timm's test size
+  expect_user_error(test::run(kBin + " benchmark --bench fast"), "inference, train, both");
 }
 
 TEST_CASE("models lists the registry with parameter counts", "[integration]") {

@@ -1,0 +1,124 @@
+#include "core/error.h"
+#include "core/log.h"
+#include "engine/trainer.h"
+#include "model_zoo/registry.h"
+
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cmath>
+#include <fstream>
+
+namespace imgtrain::engine {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double now_s(torch::Device dev) {
+  if (dev.is_cuda()) torch::cuda::synchronize(dev.index());
+  return std::chrono::duration<double>(Clock::now().time_since_epoch()).count();
+}
+
+double round_to(double v, int digits) {
+  const double s = std::pow(10.0, digits);
+  return std::nearbyint(v * s) / s;
+}
+
+void to_channels_last(torch::nn::Module& m) {
+  torch::NoGradGuard ng;
+  for (auto& p : m.parameters())
+    if (p.dim() == 4) p.set_data(p.contiguous(at::MemoryFormat::ChannelsLast));
+}
+
+}  // namespace
+
+int benchmark(const cli::Config& cfg) {
+  const auto device = resolve_device(cfg.device);
+  const Amp amp = resolve_amp(cfg);
+  const auto& d = model_zoo::model_defaults(cfg.model);
+  // timm: the test input size unless --img-size or --use-train-size.
+  const int64_t img = cfg.img_size.value_or(!cfg.use_train_size && d.test_input_size ? d.test_input_size
+                                                                                      : d.input_size[2]);
+  ModelArgs margs;
+  margs.num_classes = cfg.num_classes.value_or(d.num_classes);
+  margs.in_chans = cfg.in_chans.value_or(3);
+  const int64_t b = cfg.batch_size;
+  log::info("Benchmarking in {} precision. {} layout.", amp.enabled ? "amp" : "float32",
+            cfg.channels_last ? "NHWC" : "NCHW");
+
+  nlohmann::ordered_json results;
+  results["model"] = cfg.model;
+  int64_t params = 0;
+  auto run = [&](bool train) {
+    torch::manual_seed(uint64_t(cfg.seed));
+    auto model = model_zoo::create_model(cfg.model, margs);
+    params = model_zoo::count_params(*model);
+    model->to(device);
+    if (cfg.channels_last) to_channels_last(*model);
+    auto x = torch::randn({b, margs.in_chans, img, img}, torch::TensorOptions().device(device));
+    if (cfg.channels_last) x = x.contiguous(at::MemoryFormat::ChannelsLast);
+    std::unique_ptr<optim::Optimizer> opt;
+    if (train) {
+      model->train();
+      optim::OptimizerArgs oa;  // benchmark.py: create_optimizer_v2(model, opt, lr=1e-4), no weight decay
+      oa.opt = cfg.opt;
+      oa.lr = 1e-4;
+      std::vector<std::pair<std::string, at::Tensor>> named;
+      for (auto& p : model->named_parameters()) named.emplace_back(p.key(), p.value());
+      opt = optim::create_optimizer(oa, named);
+    } else {
+      model->eval();
+    }
+    const char* what = train ? "train" : "inference";
+    log::info("Running {} benchmark on {} for {} steps w/ input size ({}, {}, {}) and batch size {}.", what,
+              cfg.model, cfg.num_bench_iter, margs.in_chans, img, img, b);
+    auto step = [&]() -> double {
+      if (train) opt->zero_grad();
+      const double t0 = now_s(device);
+      if (train) {
+        at::Tensor loss;
+        {
+          AutocastScope ac(amp.enabled, device.type(), amp.dtype);
+          auto out = model->forward(x);
+          auto target = torch::empty({out.size(0)}, torch::TensorOptions().dtype(torch::kLong).device(device))
+                            .random_(margs.num_classes);
+          loss = torch::nn::functional::cross_entropy(out, target);
+        }
+        loss.backward();
+        opt->step();
+      } else {
+        torch::NoGradGuard ng;
+        AutocastScope ac(amp.enabled, device.type(), amp.dtype);
+        model->forward(x);
+      }
+      return now_s(device) - t0;
+    };
+    for (int64_t i = 0; i < cfg.num_warm_iter; ++i) step();
+    double total = 0;
+    int64_t samples = 0;
+    const int64_t log_freq = std::max<int64_t>(1, cfg.num_bench_iter / 5);
+    const double start = now_s(device);
+    for (int64_t i = 0; i < cfg.num_bench_iter; ++i) {
+      total += step();
+      samples += b;
+      if ((i + 1) % log_freq == 0)
+        log::info("{} [{}/{}]. {:.2f} samples/sec. {:.3f} ms/step.", train ? "Train" : "Infer", i + 1,
+                  cfg.num_bench_iter, double(samples) / total, 1000.0 * total / double(i + 1));
+    }
+    const double elapsed = now_s(device) - start;
+    const std::string prefix = train ? "train_" : "infer_";
+    results[prefix + "samples_per_sec"] = round_to(double(samples) / elapsed, 2);
+    results[prefix + "step_time"] = round_to(1000.0 * total / double(cfg.num_bench_iter), 3);
+    results[prefix + "batch_size"] = b;
+    results[prefix + "img_size"] = img;
+  };
+  if (cfg.bench != "train") run(false);
+  if (cfg.bench != "inference") run(true);
+  results["param_count"] = round_to(double(params) / 1e6, 2);
+  std::printf("--result\n%s\n", results.dump(4).c_str());
+  write_results(cfg.results_file, cfg.results_format, results);
+  return 0;
+}
+
+}  // namespace imgtrain::engine
