@@ -77,11 +77,11 @@ struct BasicBlockImpl : BlockImpl {
   }
   at::Tensor forward(at::Tensor x) override {
     auto shortcut = x;
-    x = torch::relu(bn1(conv1(x)));
+    x = bn1(conv1(x)).relu_();  // in place, as timm's act layers (inplace=True)
     x = bn2(conv2(x));
     x = drop_path(x, drop_path_rate, is_training());
     if (downsample) shortcut = downsample->forward(shortcut);
-    return torch::relu(x + shortcut);
+    return x.add_(shortcut).relu_();
   }
   void zero_init_last() override { torch::nn::init::zeros_(bn2->weight); }
 };
@@ -107,12 +107,12 @@ struct BottleneckImpl : BlockImpl {
   }
   at::Tensor forward(at::Tensor x) override {
     auto shortcut = x;
-    x = torch::relu(bn1(conv1(x)));
-    x = torch::relu(bn2(conv2(x)));
+    x = bn1(conv1(x)).relu_();
+    x = bn2(conv2(x)).relu_();
     x = bn3(conv3(x));
     x = drop_path(x, drop_path_rate, is_training());
     if (downsample) shortcut = downsample->forward(shortcut);
-    return torch::relu(x + shortcut);
+    return x.add_(shortcut).relu_();
   }
   void zero_init_last() override { torch::nn::init::zeros_(bn3->weight); }
 };
@@ -183,7 +183,7 @@ class ResNetImpl : public ClassifierImpl {
   }
 
   at::Tensor forward_features(const at::Tensor& in) override {
-    auto x = torch::relu(bn1_(stem_ ? stem_->forward(in) : conv1_(in)));
+    auto x = bn1_(stem_ ? stem_->forward(in) : conv1_(in)).relu_();
     x = torch::max_pool2d(x, 3, 2, 1);
     for (auto& s : stages_) x = s->forward(x);
     return x;
