@@ -8,6 +8,7 @@ const Registry<ModelEntry>& registry() {
   static const Registry<ModelEntry> r = [] {
     Registry<ModelEntry> r;
     register_resnet(r);
+    register_vit(r);
     return r;
   }();
   return r;

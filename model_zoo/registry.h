@@ -30,5 +30,6 @@ int64_t count_params(const torch::nn::Module& m);
 
 // Family registration hooks, called once by the registry.
 void register_resnet(Registry<ModelEntry>& r);
+void register_vit(Registry<ModelEntry>& r);
 
 }  // namespace imgtrain::model_zoo

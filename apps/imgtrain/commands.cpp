@@ -91,6 +91,7 @@ int export_weights(const std::vector<std::string>& args) {
     ModelArgs margs;
     if (auto n = st.metadata.find("num_classes"); n != st.metadata.end()) margs.num_classes = std::stoll(n->second);
     if (auto c = st.metadata.find("in_chans"); c != st.metadata.end()) margs.in_chans = std::stoll(c->second);
+    if (auto i = st.metadata.find("img_size"); i != st.metadata.end()) margs.img_size = std::stoll(i->second);
     auto model = model_zoo::create_model(arch->second, margs);
     io::load_state_dict(*model, st, prefix, ckpt);
   }

@@ -4,6 +4,7 @@
 #pragma once
 #include <torch/nn/module.h>
 #include <array>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -29,6 +30,7 @@ struct ModelArgs {
   double drop_rate = 0.0;
   double drop_path_rate = 0.0;
   std::string global_pool = "avg";
+  int64_t img_size = 0;  // for models whose shapes depend on it (ViT position embeddings); 0 = default
 };
 
 class ClassifierImpl : public torch::nn::Module {
@@ -38,6 +40,8 @@ class ClassifierImpl : public torch::nn::Module {
   at::Tensor forward(const at::Tensor& x) { return forward_head(forward_features(x)); }
   virtual int64_t num_classes() const = 0;
   virtual int64_t num_features() const = 0;
+  // Parameters excluded from weight decay beyond timm's 1-D rule (timm's model.no_weight_decay()).
+  virtual std::set<std::string> no_weight_decay() const { return {}; }
 };
 
 }  // namespace imgtrain

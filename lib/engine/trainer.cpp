@@ -349,6 +349,7 @@ int train(const cli::Config& cfg) {
   margs.in_chans = dc.in_chans;
   margs.drop_rate = cfg.drop;
   margs.drop_path_rate = cfg.drop_path.value_or(0.0);
+  margs.img_size = dc.img_size;
   auto model = model_zoo::create_model(cfg.model, margs);
   log::info("Model {} created, param count:{}", cfg.model, model_zoo::count_params(*model));
   load_pretrained_weights(*model, cfg, defaults);
@@ -417,7 +418,7 @@ int train(const cli::Config& cfg) {
   if (cfg.opt_betas.size() == 2) oa.beta1 = cfg.opt_betas[0], oa.beta2 = cfg.opt_betas[1];
   std::vector<std::pair<std::string, at::Tensor>> named;
   for (auto& p : model->named_parameters()) named.emplace_back(p.key(), p.value());
-  auto optimizer = optim::create_optimizer(oa, named);
+  auto optimizer = optim::create_optimizer(oa, named, model->no_weight_decay());
   optim::SchedulerArgs sa;
   sa.sched = cfg.sched;
   sa.base_lr = lr;
@@ -626,6 +627,7 @@ int validate(const cli::Config& cfg) {
   ModelArgs margs;
   margs.num_classes = num_classes;
   margs.in_chans = dc.in_chans;
+  margs.img_size = dc.img_size;
   auto model = model_zoo::create_model(arch, margs);
   if (!cfg.checkpoint.empty())
     io::load_state_dict(*model, st, io::weights_prefix(st, cfg.use_ema), cfg.checkpoint);

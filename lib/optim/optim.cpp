@@ -7,12 +7,13 @@
 namespace imgtrain::optim {
 
 std::vector<ParamGroup> weight_decay_groups(const std::vector<std::pair<std::string, at::Tensor>>& named_params,
-                                            double weight_decay) {
+                                            double weight_decay, const std::set<std::string>& skip_names) {
   ParamGroup no_decay, decay;
   decay.weight_decay = weight_decay;
   for (auto& [name, p] : named_params) {
     if (!p.requires_grad()) continue;
-    bool skip = p.dim() <= 1 || (name.size() >= 5 && name.compare(name.size() - 5, 5, ".bias") == 0);
+    bool skip = p.dim() <= 1 || (name.size() >= 5 && name.compare(name.size() - 5, 5, ".bias") == 0) ||
+                skip_names.count(name);
     auto& g = skip ? no_decay : decay;
     g.names.push_back(name);
     g.params.push_back(p);
@@ -225,8 +226,9 @@ class RmspropTF : public Optimizer {
 }  // namespace
 
 std::unique_ptr<Optimizer> create_optimizer(const OptimizerArgs& a,
-                                            const std::vector<std::pair<std::string, at::Tensor>>& named_params) {
-  auto groups = weight_decay_groups(named_params, a.weight_decay);
+                                            const std::vector<std::pair<std::string, at::Tensor>>& named_params,
+                                            const std::set<std::string>& no_weight_decay) {
+  auto groups = weight_decay_groups(named_params, a.weight_decay, no_weight_decay);
   for (auto& g : groups) g.lr = a.lr;
   if (a.opt == "sgd" || a.opt == "nesterov") return std::make_unique<Sgd>(std::move(groups), a.momentum, true);
   if (a.opt == "momentum") return std::make_unique<Sgd>(std::move(groups), a.momentum, false);

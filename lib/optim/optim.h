@@ -5,6 +5,7 @@
 
 #include <map>
 #include <optional>
+#include <set>
 #include <memory>
 #include <string>
 #include <utility>
@@ -19,10 +20,11 @@ struct ParamGroup {
   double lr = 0.0;
 };
 
-// timm's param_groups_weight_decay: no decay for 1-D parameters (norm weights, biases) and for
-// names ending in ".bias"; returns [no_decay, decay] groups (empty groups dropped).
+// timm's param_groups_weight_decay: no decay for 1-D parameters (norm weights, biases), names
+// ending in ".bias" and the model's own no_weight_decay() names; returns [no_decay, decay]
+// groups (empty groups dropped).
 std::vector<ParamGroup> weight_decay_groups(const std::vector<std::pair<std::string, at::Tensor>>& named_params,
-                                            double weight_decay);
+                                            double weight_decay, const std::set<std::string>& skip = {});
 
 class Optimizer {
  public:
@@ -50,7 +52,8 @@ struct OptimizerArgs {
 };
 
 std::unique_ptr<Optimizer> create_optimizer(const OptimizerArgs& a,
-                                            const std::vector<std::pair<std::string, at::Tensor>>& named_params);
+                                            const std::vector<std::pair<std::string, at::Tensor>>& named_params,
+                                            const std::set<std::string>& no_weight_decay = {});
 
 // timm's epoch-based schedulers: lr(t) for t = epoch index, with linear warmup from warmup_lr.
 struct SchedulerArgs {

@@ -10,3 +10,8 @@ namespace imgtrain::model_zoo {
 at::Tensor drop_path(const at::Tensor& x, double p, bool training);
 
 }  // namespace imgtrain::model_zoo
+
+namespace imgtrain::model_zoo {
+// torch.nn.init.trunc_normal_ (inverse-CDF sampling): normal(mean, std) truncated to [a, b].
+void trunc_normal_(at::Tensor t, double mean, double std, double a, double b);
+}  // namespace imgtrain::model_zoo

@@ -312,6 +312,20 @@ TEST_CASE("benchmark prints timm's fields and writes the results file", "[integr
   expect_user_error(test::run(kBin + " benchmark --bench fast"), "inference, train, both");
 }
 
+TEST_CASE("a ViT trains at a custom image size; a size off the patch grid is refused", "[integration]") {
+  auto data = fmnist_folder(200, 100);
+  test::TempDir out("vit");
+  const std::string args = " --model vit_tiny_patch16_224 --in-chans 1 -b 50 --opt adamw --lr 1e-3 --warmup-epochs 0 "
+                           "--drop-path 0.1 -j 2 --device cpu --epochs 1 --output " + out.path.string();
+  auto r = test::run(kBin + " train --data-dir " + data + args + " --img-size 32 --experiment v");
+  INFO(r.output);
+  CHECK(r.code == 0);
+  auto st = io::load_safetensors(out / "v/last.safetensors");
+  REQUIRE(st.find("model.pos_embed") != nullptr);
+  CHECK(st.find("model.pos_embed")->sizes() == std::vector<int64_t>{1, 5, 192});  // 2x2 patches + class token
+  expect_user_error(test::run(kBin + " train --data-dir " + data + args + " --img-size 28"), "multiple of its patch size 16");
+}
+
 TEST_CASE("models lists the registry with parameter counts", "[integration]") {
   auto r = test::run(kBin + " models 'resnet*'");
   INFO(r.output);

@@ -34,13 +34,23 @@ def randomize_bn(model, g):
                 m.running_var.copy_(torch.rand(m.running_var.shape, generator=g) + 0.5)
 
 
-def model_refs(name, train_grads, init_stats):
+def randomize_norms(model, g):
+    # LayerNorm starts at ones/zeros; random affine parameters make the test see them.
+    for m in model.modules():
+        if isinstance(m, torch.nn.LayerNorm):
+            with torch.no_grad():
+                m.weight.copy_(torch.rand(m.weight.shape, generator=g) + 0.5)
+                m.bias.copy_(torch.randn(m.bias.shape, generator=g) * 0.1)
+
+
+def model_refs(name, train_grads, init_stats, input_size=64, **kwargs):
     g = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
-    model = timm.create_model(name, num_classes=10)
+    model = timm.create_model(name, num_classes=10, **kwargs)
     randomize_bn(model, g)
+    randomize_norms(model, g)
     tensors = {'model.' + k: v.clone().contiguous() for k, v in model.state_dict().items()}
-    x = torch.randn(2, 3, 64, 64, generator=g)
+    x = torch.randn(2, 3, input_size, input_size, generator=g)
     model.eval()
     with torch.no_grad():
         tensors['ref.input'] = x
@@ -49,7 +59,7 @@ def model_refs(name, train_grads, init_stats):
             'param_count': str(sum(p.numel() for p in model.parameters()))}
     if train_grads:
         model.train()
-        xt = torch.randn(4, 3, 64, 64, generator=g)
+        xt = torch.randn(4, 3, input_size, input_size, generator=g)
         y = torch.tensor([1, 3, 5, 7])
         outp = model(xt)
         loss = torch.nn.functional.cross_entropy(outp, y, label_smoothing=0.1)
@@ -63,13 +73,18 @@ def model_refs(name, train_grads, init_stats):
         for k, b in model.named_buffers():
             tensors['after.' + k] = b.clone().contiguous()
     if init_stats:  # of a fresh model (1000 classes, timm defaults)
-        fresh = timm.create_model(name)
+        fresh = timm.create_model(name, **kwargs)
         stats = {k: [v.float().mean().item(), v.float().std().item() if v.numel() > 1 else 0.0, v.numel()]
                  for k, v in fresh.state_dict().items() if v.dtype.is_floating_point}
         meta['init_stats'] = json.dumps(stats)
     save_file(tensors, os.path.join(out, f'{name}.safetensors'), metadata=meta)
 
 
+# ViTs at 32 px (2x2 or 1x1 patches) keep the references small; the shapes follow img_size.
+VITS = ['vit_tiny_patch16_224', 'vit_small_patch16_224', 'vit_base_patch16_224', 'vit_base_patch32_224']
+for name in VITS:
+    model_refs(name, train_grads=name == 'vit_tiny_patch16_224',
+               init_stats=name in ('vit_tiny_patch16_224', 'vit_base_patch16_224'), input_size=32, img_size=32)
 RESNETS = ['resnet18', 'resnet34', 'resnet50', 'resnet101', 'resnet152', 'resnext50_32x4d', 'resnet50d', 'resnet26d']
 for name in RESNETS:
     model_refs(name, train_grads=name in ('resnet18', 'resnet26d'),
@@ -181,6 +196,10 @@ model = timm.create_model('resnet18', num_classes=10)
 names = {id(p): k for k, p in model.named_parameters()}
 groups = param_groups_weight_decay(model, 1e-4)
 no_decay = sorted(names[id(p)] for grp in groups if grp['weight_decay'] == 0 for p in grp['params'])
+vit = timm.create_model('vit_tiny_patch16_224', img_size=32)
+vnames = {id(p): k for k, p in vit.named_parameters()}
+no_decay_vit = sorted(vnames[id(p)] for grp in param_groups_weight_decay(vit, 1e-4, no_weight_decay_list=vit.no_weight_decay())
+                      if grp['weight_decay'] == 0 for p in grp['params'])
 # Label-smoothed cross entropy as timm computes it (LabelSmoothingCrossEntropy).
 from timm.loss import LabelSmoothingCrossEntropy
 logits = torch.randn(6, 10, generator=g)
@@ -209,7 +228,8 @@ sched['loss.soft'] = SoftTargetCrossEntropy()(lg, sched['mix.batch']).reshape(1)
 sched['loss.bce_idx'] = BinaryCrossEntropy(smoothing=0.1)(lg, tgt).reshape(1)
 sched['loss.bce_dense_thresh'] = BinaryCrossEntropy(target_threshold=0.2)(lg, sched['mix.batch']).reshape(1)
 sched['loss.bce_sum'] = BinaryCrossEntropy(smoothing=0.1, sum_classes=True)(lg, tgt).reshape(1)
-save_file(sched, os.path.join(out, 'misc.safetensors'), metadata={'no_decay': json.dumps(no_decay)})
+save_file(sched, os.path.join(out, 'misc.safetensors'), metadata={'no_decay': json.dumps(no_decay),
+                                                                 'no_decay_vit': json.dumps(no_decay_vit)})
 
 # An offline Hugging Face hub cache holding timm-format resnet18 weights (random, 1000 classes).
 snap = os.path.join(out, 'hub', 'models--timm--resnet18.a1_in1k', 'snapshots', '0123abcd')

@@ -33,10 +33,20 @@ double rel_diff(const at::Tensor& a, const at::Tensor& b) {
 
 const std::vector<std::string> kResNets = {"resnet18",        "resnet34",  "resnet50", "resnet101", "resnet152",
                                            "resnext50_32x4d", "resnet50d", "resnet26d"};
+const std::vector<std::string> kVits = {"vit_tiny_patch16_224", "vit_small_patch16_224", "vit_base_patch16_224",
+                                        "vit_base_patch32_224"};
+std::vector<std::string> all_models() {
+  auto v = kResNets;
+  v.insert(v.end(), kVits.begin(), kVits.end());
+  return v;
+}
+// The references of ViTs are made at 32 px (make_refs.py).
+int64_t ref_img_size(const std::string& name) { return name.rfind("vit_", 0) == 0 ? 32 : 0; }
 
 model_zoo::Model loaded(const std::string& name, const io::SafeTensors& st) {
   ModelArgs a;
   a.num_classes = 10;
+  a.img_size = ref_img_size(name);
   auto m = model_zoo::create_model(name, a);
   io::load_state_dict(*m, st, "model.", name);
   return m;
@@ -44,13 +54,14 @@ model_zoo::Model loaded(const std::string& name, const io::SafeTensors& st) {
 }  // namespace
 
 TEST_CASE("state dict names, shapes and parameter counts equal timm's", "[parity][models]") {
-  for (const std::string& name : kResNets) {
+  for (const std::string& name : all_models()) {
     auto st = load_ref(name + ".safetensors");
     auto keys = nlohmann::json::parse(st.metadata.at("keys"));
     std::map<std::string, std::vector<int64_t>> want, have;
     for (auto& kv : keys) want[kv[0].get<std::string>()] = kv[1].get<std::vector<int64_t>>();
     ModelArgs a;
     a.num_classes = 10;
+    a.img_size = ref_img_size(name);
     auto m = model_zoo::create_model(name, a);
     for (auto& [k, v] : io::state_dict(*m)) have[k] = v.sizes().vec();
     CHECK(have == want);
@@ -59,7 +70,7 @@ TEST_CASE("state dict names, shapes and parameter counts equal timm's", "[parity
 }
 
 TEST_CASE("eval-mode outputs equal timm's for the same weights", "[parity][models]") {
-  for (const std::string& name : kResNets) {
+  for (const std::string& name : all_models()) {
     auto st = load_ref(name + ".safetensors");
     auto m = loaded(name, st);
     m->eval();
@@ -71,7 +82,7 @@ TEST_CASE("eval-mode outputs equal timm's for the same weights", "[parity][model
 }
 
 TEST_CASE("train-mode loss, gradients and BN statistics equal timm's", "[parity][models]") {
-  for (std::string name : {"resnet18", "resnet26d"}) {
+  for (std::string name : {"resnet18", "resnet26d", "vit_tiny_patch16_224"}) {
   INFO(name);
   auto st = load_ref(name + ".safetensors");
   auto m = loaded(name, st);
@@ -93,11 +104,14 @@ TEST_CASE("train-mode loss, gradients and BN statistics equal timm's", "[parity]
 }
 
 TEST_CASE("initialisation statistics agree with timm's within sampling error", "[parity][models]") {
-  for (std::string name : {"resnet18", "resnet50", "resnext50_32x4d", "resnet26d"}) {
+  for (std::string name : {"resnet18", "resnet50", "resnext50_32x4d", "resnet26d", "vit_tiny_patch16_224",
+                           "vit_base_patch16_224"}) {
     auto st = load_ref(name + ".safetensors");
     auto stats = nlohmann::json::parse(st.metadata.at("init_stats"));
     torch::manual_seed(123);
-    auto m = model_zoo::create_model(name, ModelArgs{});
+    ModelArgs fresh;
+    fresh.img_size = ref_img_size(name);
+    auto m = model_zoo::create_model(name, fresh);
     size_t checked = 0;
     for (auto& [k, v] : io::state_dict(*m)) {
       if (!v.is_floating_point()) continue;
@@ -202,6 +216,18 @@ TEST_CASE("no-weight-decay group and smoothed cross entropy match timm", "[parit
   auto got = groups[0].names;
   std::sort(got.begin(), got.end());
   CHECK(got == want);
+  {  // ViT: timm's model.no_weight_decay() adds pos_embed and cls_token
+    auto want_vit = nlohmann::json::parse(st.metadata.at("no_decay_vit")).get<std::vector<std::string>>();
+    ModelArgs va;
+    va.img_size = 32;
+    auto vit = model_zoo::create_model("vit_tiny_patch16_224", va);
+    std::vector<std::pair<std::string, at::Tensor>> vn;
+    for (auto& p : vit->named_parameters()) vn.emplace_back(p.key(), p.value());
+    auto vg = optim::weight_decay_groups(vn, 1e-4, vit->no_weight_decay());
+    auto got_vit = vg[0].names;
+    std::sort(got_vit.begin(), got_vit.end());
+    CHECK(got_vit == want_vit);
+  }
 
   auto loss = torch::nn::functional::cross_entropy(
       *st.find("ce.logits"), *st.find("ce.target"), torch::nn::functional::CrossEntropyFuncOptions().label_smoothing(0.1));

@@ -1,0 +1,171 @@
+// Vision Transformer as timm builds it (timm/models/vision_transformer.py, class-token pooling,
+// pre-norm blocks): same module names, so named_parameters() is timm's state dict.
+#include "core/error.h"
+#include "model_zoo/layers/layers.h"
+#include "model_zoo/registry.h"
+
+#include <cmath>
+
+namespace imgtrain::model_zoo {
+namespace {
+
+// ---- architecture table -------------------------------------------------------------------
+struct VitSpec {
+  const char* name;
+  int64_t patch;
+  int64_t dim;
+  int64_t depth;
+  int64_t heads;
+  std::vector<std::string> tags;
+};
+
+const std::vector<VitSpec>& specs() {
+  static const std::vector<VitSpec> s = {
+      {"vit_tiny_patch16_224", 16, 192, 12, 3, {"augreg_in21k_ft_in1k", "augreg_in21k"}},
+      {"vit_small_patch16_224", 16, 384, 12, 6, {"augreg_in21k_ft_in1k", "augreg_in1k", "augreg_in21k", "dino"}},
+      {"vit_base_patch16_224", 16, 768, 12, 12,
+       {"augreg2_in21k_ft_in1k", "augreg_in1k", "augreg_in21k", "augreg_in21k_ft_in1k", "bamboo", "dino", "mae",
+        "orig_in21k", "orig_in21k_ft_in1k", "sam_in1k"}},
+      {"vit_base_patch32_224", 32, 768, 12, 12,
+       {"augreg_in21k_ft_in1k", "augreg_in1k", "augreg_in21k", "orig_in21k", "sam_in1k"}},
+  };
+  return s;
+}
+
+// ---- blocks -------------------------------------------------------------------------------
+using torch::nn::LayerNorm;
+using torch::nn::LayerNormOptions;
+using torch::nn::Linear;
+
+struct AttentionImpl : torch::nn::Module {
+  Linear qkv{nullptr}, proj{nullptr};
+  int64_t heads;
+  AttentionImpl(int64_t dim, int64_t heads_) : heads(heads_) {
+    qkv = register_module("qkv", Linear(dim, dim * 3));
+    proj = register_module("proj", Linear(dim, dim));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    const int64_t b = x.size(0), n = x.size(1), c = x.size(2);
+    auto qkv_ = qkv(x).reshape({b, n, 3, heads, c / heads}).permute({2, 0, 3, 1, 4});
+    auto q = qkv_[0], k = qkv_[1], v = qkv_[2];
+    auto o = at::scaled_dot_product_attention(q, k, v);
+    return proj(o.transpose(1, 2).reshape({b, n, c}));
+  }
+};
+TORCH_MODULE(Attention);
+
+struct MlpImpl : torch::nn::Module {
+  Linear fc1{nullptr}, fc2{nullptr};
+  MlpImpl(int64_t dim, int64_t hidden) {
+    fc1 = register_module("fc1", Linear(dim, hidden));
+    fc2 = register_module("fc2", Linear(hidden, dim));
+  }
+  at::Tensor forward(const at::Tensor& x) { return fc2(torch::gelu(fc1(x))); }
+};
+TORCH_MODULE(Mlp);
+
+struct BlockImpl : torch::nn::Module {
+  LayerNorm norm1{nullptr}, norm2{nullptr};
+  Attention attn{nullptr};
+  Mlp mlp{nullptr};
+  double dpr;
+  BlockImpl(int64_t dim, int64_t heads, double drop_path_rate) : dpr(drop_path_rate) {
+    norm1 = register_module("norm1", LayerNorm(LayerNormOptions({dim}).eps(1e-6)));
+    attn = register_module("attn", Attention(dim, heads));
+    norm2 = register_module("norm2", LayerNorm(LayerNormOptions({dim}).eps(1e-6)));
+    mlp = register_module("mlp", Mlp(dim, dim * 4));
+  }
+  at::Tensor forward(at::Tensor x) {
+    x = x + drop_path(attn(norm1(x)), dpr, is_training());
+    return x + drop_path(mlp(norm2(x)), dpr, is_training());
+  }
+};
+TORCH_MODULE(Block);
+
+struct PatchEmbedImpl : torch::nn::Module {
+  torch::nn::Conv2d proj{nullptr};
+  PatchEmbedImpl(int64_t in_chans, int64_t dim, int64_t patch) {
+    proj = register_module("proj", torch::nn::Conv2d(torch::nn::Conv2dOptions(in_chans, dim, patch).stride(patch)));
+  }
+  at::Tensor forward(const at::Tensor& x) { return proj(x).flatten(2).transpose(1, 2); }  // B, N, C
+};
+TORCH_MODULE(PatchEmbed);
+
+class VisionTransformerImpl : public ClassifierImpl {
+ public:
+  VisionTransformerImpl(const VitSpec& s, const ModelArgs& a)
+      : spec_(s), num_classes_(a.num_classes), drop_rate_(a.drop_rate) {
+    if (a.global_pool != "avg" && a.global_pool != "token")
+      throw UserError(fmt::format("{}: global_pool '{}' is not implemented (token is)", s.name, a.global_pool));
+    img_size_ = a.img_size > 0 ? a.img_size : 224;
+    if (img_size_ % s.patch)
+      throw UserError(fmt::format("--img-size {}: {} needs a multiple of its patch size {}", img_size_, s.name, s.patch));
+    const int64_t n = (img_size_ / s.patch) * (img_size_ / s.patch);
+    cls_token_ = register_parameter("cls_token", torch::zeros({1, 1, s.dim}));
+    pos_embed_ = register_parameter("pos_embed", torch::zeros({1, n + 1, s.dim}));
+    patch_embed_ = register_module("patch_embed", PatchEmbed(a.in_chans, s.dim, s.patch));
+    blocks_ = register_module("blocks", torch::nn::Sequential());
+    for (int64_t i = 0; i < s.depth; ++i) {
+      double dpr = s.depth > 1 ? a.drop_path_rate * double(i) / double(s.depth - 1) : 0.0;  // linspace(0, rate)
+      blocks_->push_back(std::to_string(i), Block(s.dim, s.heads, dpr));
+    }
+    norm_ = register_module("norm", LayerNorm(LayerNormOptions({s.dim}).eps(1e-6)));
+    if (num_classes_ > 0) head_ = register_module("head", Linear(s.dim, num_classes_));
+    init_weights();
+  }
+
+  at::Tensor forward_features(const at::Tensor& in) override {
+    auto x = patch_embed_(in);
+    x = torch::cat({cls_token_.expand({x.size(0), -1, -1}), x}, 1) + pos_embed_;
+    x = blocks_->forward(x);
+    return norm_(x);
+  }
+  at::Tensor forward_head(const at::Tensor& in, bool pre_logits) override {
+    auto x = in.select(1, 0);  // class token
+    if (drop_rate_ > 0) x = torch::dropout(x, drop_rate_, is_training());
+    if (pre_logits || !head_) return x;
+    return head_(x);
+  }
+  int64_t num_classes() const override { return num_classes_; }
+  int64_t num_features() const override { return spec_.dim; }
+  std::set<std::string> no_weight_decay() const override { return {"pos_embed", "cls_token"}; }
+
+ private:
+  void init_weights() {  // timm 'timm' mode: trunc_normal(.02) for Linear, zero biases
+    torch::NoGradGuard ng;
+    trunc_normal_(pos_embed_, 0.0, 0.02, -2.0, 2.0);
+    torch::nn::init::normal_(cls_token_, 0.0, 1e-6);
+    for (auto& m : modules(false))
+      if (auto* l = m->as<Linear>()) {
+        trunc_normal_(l->weight, 0.0, 0.02, -2.0, 2.0);
+        if (l->bias.defined()) torch::nn::init::zeros_(l->bias);
+      }
+  }
+
+  const VitSpec& spec_;
+  int64_t num_classes_, img_size_ = 224;
+  double drop_rate_;
+  at::Tensor cls_token_, pos_embed_;
+  PatchEmbed patch_embed_{nullptr};
+  torch::nn::Sequential blocks_{nullptr};
+  LayerNorm norm_{nullptr};
+  Linear head_{nullptr};
+};
+
+}  // namespace
+
+void register_vit(Registry<ModelEntry>& r) {
+  for (auto& s : specs()) {
+    ModelDefaults d;  // timm's ViT _cfg
+    d.mean = {0.5, 0.5, 0.5};
+    d.std = {0.5, 0.5, 0.5};
+    d.crop_pct = 0.9;
+    d.interpolation = "bicubic";
+    d.first_conv = "patch_embed.proj";
+    d.classifier = "head";
+    d.tags = s.tags;
+    r.add(s.name, ModelEntry{[&s](const ModelArgs& a) -> Model { return std::make_shared<VisionTransformerImpl>(s, a); }, d});
+  }
+}
+
+}  // namespace imgtrain::model_zoo
