@@ -50,24 +50,20 @@ class Sgd : public Optimizer {
     groups_ = std::move(g);
   }
   void step() override {
-    torch::NoGradGuard ng;
-    for (auto& g : groups_)
-      for (size_t i = 0; i < g.params.size(); ++i) {
-        auto& p = g.params[i];
-        if (!p.grad().defined()) continue;
-        auto d = p.grad();
-        if (g.weight_decay != 0) d = d.add(p, g.weight_decay);
-        if (momentum_ != 0) {
-          auto it = buf_.find(g.names[i]);
-          if (it == buf_.end()) {
-            it = buf_.emplace(g.names[i], d.clone()).first;
-          } else {
-            it->second.mul_(momentum_).add_(d);
-          }
-          d = nesterov_ ? d.add(it->second, momentum_) : it->second;
+    each_with_grad([&](ParamGroup& g, const std::string& name, at::Tensor& p) {
+      auto d = p.grad();
+      if (g.weight_decay != 0) d = d.add(p, g.weight_decay);
+      if (momentum_ != 0) {
+        auto it = buf_.find(name);
+        if (it == buf_.end()) {
+          it = buf_.emplace(name, d.clone()).first;
+        } else {
+          it->second.mul_(momentum_).add_(d);
         }
-        p.add_(d, -g.lr);
+        d = nesterov_ ? d.add(it->second, momentum_) : it->second;
       }
+      p.add_(d, -g.lr);
+    });
   }
   std::vector<std::pair<std::string, at::Tensor>> state() const override {
     std::vector<std::pair<std::string, at::Tensor>> out;
@@ -99,26 +95,22 @@ class AdamW : public Optimizer {
     groups_ = std::move(g);
   }
   void step() override {
-    torch::NoGradGuard ng;
-    for (auto& g : groups_)
-      for (size_t i = 0; i < g.params.size(); ++i) {
-        auto& p = g.params[i];
-        if (!p.grad().defined()) continue;
-        auto& s = st_[g.names[i]];
-        if (!s.m.defined()) {
-          s.m = torch::zeros_like(p);
-          s.v = torch::zeros_like(p);
-        }
-        s.step += 1;
-        auto grad = p.grad();
-        if (decoupled_) p.mul_(1.0 - g.lr * g.weight_decay);
-        else if (g.weight_decay != 0) grad = grad.add(p, g.weight_decay);
-        s.m.lerp_(grad, 1.0 - b1_);
-        s.v.mul_(b2_).addcmul_(grad, grad, 1.0 - b2_);
-        double bc1 = 1.0 - std::pow(b1_, s.step), bc2 = 1.0 - std::pow(b2_, s.step);
-        auto denom = (s.v.sqrt() / std::sqrt(bc2)).add_(eps_);
-        p.addcdiv_(s.m, denom, -g.lr / bc1);
+    each_with_grad([&](ParamGroup& g, const std::string& name, at::Tensor& p) {
+      auto& s = st_[name];
+      if (!s.m.defined()) {
+        s.m = torch::zeros_like(p);
+        s.v = torch::zeros_like(p);
       }
+      s.step += 1;
+      auto grad = p.grad();
+      if (decoupled_) p.mul_(1.0 - g.lr * g.weight_decay);
+      else if (g.weight_decay != 0) grad = grad.add(p, g.weight_decay);
+      s.m.lerp_(grad, 1.0 - b1_);
+      s.v.mul_(b2_).addcmul_(grad, grad, 1.0 - b2_);
+      double bc1 = 1.0 - std::pow(b1_, s.step), bc2 = 1.0 - std::pow(b2_, s.step);
+      auto denom = (s.v.sqrt() / std::sqrt(bc2)).add_(eps_);
+      p.addcdiv_(s.m, denom, -g.lr / bc1);
+    });
   }
   std::vector<std::pair<std::string, at::Tensor>> state() const override {
     std::vector<std::pair<std::string, at::Tensor>> out;
@@ -165,28 +157,24 @@ class RmspropTF : public Optimizer {
     groups_ = std::move(g);
   }
   void step() override {
-    torch::NoGradGuard ng;
-    for (auto& g : groups_)
-      for (size_t i = 0; i < g.params.size(); ++i) {
-        auto& p = g.params[i];
-        if (!p.grad().defined()) continue;
-        auto& s = st_[g.names[i]];
-        if (!s.square_avg.defined()) {
-          s.square_avg = torch::ones_like(p);
-          if (momentum_ > 0) s.buf = torch::zeros_like(p);
-        }
-        s.step += 1;
-        auto grad = p.grad();
-        if (g.weight_decay != 0) grad = grad.add(p, g.weight_decay);
-        s.square_avg.add_(grad.pow(2) - s.square_avg, 1.0 - alpha_);
-        auto avg = s.square_avg.add(eps_).sqrt_();
-        if (momentum_ > 0) {
-          s.buf.mul_(momentum_).addcdiv_(grad, avg, g.lr);
-          p.sub_(s.buf);
-        } else {
-          p.addcdiv_(grad, avg, -g.lr);
-        }
+    each_with_grad([&](ParamGroup& g, const std::string& name, at::Tensor& p) {
+      auto& s = st_[name];
+      if (!s.square_avg.defined()) {
+        s.square_avg = torch::ones_like(p);
+        if (momentum_ > 0) s.buf = torch::zeros_like(p);
       }
+      s.step += 1;
+      auto grad = p.grad();
+      if (g.weight_decay != 0) grad = grad.add(p, g.weight_decay);
+      s.square_avg.add_(grad.pow(2) - s.square_avg, 1.0 - alpha_);
+      auto avg = s.square_avg.add(eps_).sqrt_();
+      if (momentum_ > 0) {
+        s.buf.mul_(momentum_).addcdiv_(grad, avg, g.lr);
+        p.sub_(s.buf);
+      } else {
+        p.addcdiv_(grad, avg, -g.lr);
+      }
+    });
   }
   std::vector<std::pair<std::string, at::Tensor>> state() const override {
     std::vector<std::pair<std::string, at::Tensor>> out;

@@ -2,6 +2,7 @@
 // Optimizers keep their state by parameter name so checkpoints store it as named tensors.
 #pragma once
 #include <ATen/core/Tensor.h>
+#include <torch/csrc/autograd/grad_mode.h>
 
 #include <map>
 #include <optional>
@@ -39,6 +40,14 @@ class Optimizer {
   void set_lr(double lr);
 
  protected:
+  // Calls f(group, name, param) for every parameter that has a gradient, without autograd.
+  template <typename F>
+  void each_with_grad(F&& f) {
+    torch::NoGradGuard ng;
+    for (auto& g : groups_)
+      for (size_t i = 0; i < g.params.size(); ++i)
+        if (g.params[i].grad().defined()) f(g, g.names[i], g.params[i]);
+  }
   std::vector<ParamGroup> groups_;
 };
 
