@@ -277,6 +277,39 @@ void clear_optional(Config& c, const Flag& f) {
       f.field);
 }
 
+// timm train.py's options and defaults (generated): a timm args.yaml may name options imgtrain
+// does not implement; they are accepted while they hold timm's default.
+const std::vector<std::pair<const char*, const char*>>& timm_train_defaults() {
+  static const std::vector<std::pair<const char*, const char*>> t = {
+#include "cli/timm_train_defaults.inc"
+  };
+  return t;
+}
+
+bool same_value(const YAML::Node& a, const YAML::Node& b) {
+  if (a.IsNull() || b.IsNull()) return a.IsNull() && b.IsNull();
+  if (a.IsSequence() || b.IsSequence()) {
+    if (!a.IsSequence() || !b.IsSequence() || a.size() != b.size()) return false;
+    for (size_t i = 0; i < a.size(); ++i)
+      if (!same_value(a[i], b[i])) return false;
+    return true;
+  }
+  if (a.IsMap() || b.IsMap()) {
+    if (!a.IsMap() || !b.IsMap() || a.size() != b.size()) return false;
+    for (auto kv : a)
+      if (!b[kv.first.as<std::string>()] || !same_value(kv.second, b[kv.first.as<std::string>()])) return false;
+    return true;
+  }
+  if (!a.IsScalar() || !b.IsScalar()) return false;
+  const std::string x = a.as<std::string>(), y = b.as<std::string>();
+  if (x == y) return true;
+  double dx, dy;
+  if (parse_float(x, dx) && parse_float(y, dy)) return dx == dy || std::abs(dx - dy) <= 1e-12 * std::abs(dy);
+  bool bx, by;
+  if (parse_bool(x, bx) && parse_bool(y, by)) return bx == by;
+  return false;
+}
+
 unsigned command_bit(Command cmd) {
   return cmd == Command::Train ? TRAIN : cmd == Command::Validate ? VALIDATE : BENCH;
 }
@@ -299,9 +332,21 @@ void apply_yaml(Config& c, Command cmd, const std::string& path) {
     for (auto& f : flags())
       if (key_of(f.name) == key && (f.cmds & bit)) flag = &f;
     if (!flag) {
+      if (cmd == Command::Train) {
+        const auto& timm = timm_train_defaults();
+        auto t = std::find_if(timm.begin(), timm.end(), [&](auto& e) { return key == e.first; });
+        if (t != timm.end()) {
+          if (same_value(it.second, YAML::Load(t->second))) continue;  // timm's default: nothing to do
+          throw UserError(fmt::format("--config '{}': key '{}' is a timm option imgtrain does not implement yet; "
+                                      "only its default ({}) is accepted, not {}",
+                                      path, key, t->second, YAML::Dump(it.second)));
+        }
+      }
       std::vector<std::string> keys;
       for (auto& f : flags())
         if (f.cmds & bit) keys.push_back(key_of(f.name));
+      if (cmd == Command::Train)
+        for (auto& [k, d] : timm_train_defaults()) keys.push_back(k);
       throw UserError(fmt::format("--config '{}': unknown key '{}' (did you mean '{}'?)", path, key,
                                   closest_names(key, keys, 1).at(0)));
     }

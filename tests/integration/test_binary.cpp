@@ -326,6 +326,16 @@ TEST_CASE("a ViT trains at a custom image size; a size off the patch grid is ref
   expect_user_error(test::run(kBin + " train --data-dir " + data + args + " --img-size 28"), "multiple of its patch size 16");
 }
 
+TEST_CASE("a timm args.yaml trains, with the command line overriding it", "[integration]") {
+  auto data = fmnist_folder(200, 100);
+  test::TempDir out("timmargs");
+  auto r = test::run(kBin + " train -c " + IMGTRAIN_SOURCE_DIR + "/tests/data/timm_args_resnet50.yaml --data-dir " +
+                     data + kSmallArgs + " --epochs 1 --output " + out.path.string() + " --experiment t");
+  INFO(r.output);
+  CHECK(r.code == 0);
+  CHECK(fs::exists(out / "t/last.safetensors"));
+}
+
 TEST_CASE("models lists the registry with parameter counts", "[integration]") {
   auto r = test::run(kBin + " models 'resnet*'");
   INFO(r.output);

@@ -129,6 +129,36 @@ TEST_CASE("config file errors name the key and the file", "[cli]") {
   CHECK_THAT(error_of({"-c", d / "missing.yaml"}), Catch::Contains("cannot read"));
 }
 
+TEST_CASE("a timm args.yaml is accepted; unimplemented timm options only at their default", "[cli]") {
+  // Written by timm's own train.py argument parser (tests/data, see docs/training.md).
+  const std::string timm_yaml = std::string(IMGTRAIN_SOURCE_DIR) + "/tests/data/timm_args_resnet50.yaml";
+  auto c = train({"-c", timm_yaml});
+  CHECK(c.model == "resnet50");
+  CHECK(c.epochs == 2);
+  CHECK(c.data_dir == "/data");
+  CHECK(c.batch_size == 128);
+  CHECK(c.device == "cuda");  // timm's default device, kept: the command line can override it
+  CHECK(c.decay_milestones == std::vector<double>{90, 180, 270});
+  CHECK_FALSE(c.lr.has_value());
+  test::TempDir d("timm");
+  auto text = test::read_file(timm_yaml);
+  auto with = [&](const std::string& from, const std::string& to) {
+    auto t = text;
+    auto p = t.find(from);
+    REQUIRE(p != std::string::npos);
+    t.replace(p, from.size(), to);
+    test::write_file(d / "a.yaml", t);
+    return error_of({"-c", d / "a.yaml"});
+  };
+  CHECK_THAT(with("aa: null\n", "aa: rand-m9-mstd0.5\n"),
+             Catch::Contains("key 'aa' is a timm option imgtrain does not implement") && Catch::Contains("rand-m9"));
+  CHECK_THAT(with("\nreprob: 0.0", "\nreprob: 0.25"), Catch::Contains("'reprob'"));
+  CHECK(with("\nreprob: 0.0", "\nreprob: 0") == "");  // the same default written differently
+  CHECK_THAT(with("\nbatch_size: 128", "\nbatchsize: 128"),
+             Catch::Contains("unknown key 'batchsize'") && Catch::Contains("did you mean 'batch_size'"));
+  CHECK_THAT(with("\nsmoothing: 0.1", "\nsmothing: 0.1"), Catch::Contains("did you mean 'smoothing'"));
+}
+
 TEST_CASE("wildcards and name suggestions", "[cli]") {
   CHECK(imgtrain::wildcard_match("resnet*", "resnet50"));
   CHECK(imgtrain::wildcard_match("*net?0", "resnet50"));
