@@ -157,7 +157,7 @@ const std::vector<Flag>& flags() {
       {"bench", "", &Config::bench, "What to benchmark", BENCH, {"inference", "train", "both"}},
       {"num-warm-iter", "", &Config::num_warm_iter, "Warm-up iterations", BENCH, {}, non_negative},
       {"num-bench-iter", "", &Config::num_bench_iter, "Benchmark iterations", BENCH, {}, positive},
-      {"channels-last", "", &Config::channels_last, "Channels-last memory layout", BENCH},
+      {"channels-last", "", &Config::channels_last, "Channels-last (NHWC) memory layout for weights and inputs", ALL},
   };
   return f;
 }

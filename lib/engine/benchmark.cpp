@@ -25,12 +25,6 @@ double round_to(double v, int digits) {
   return std::nearbyint(v * s) / s;
 }
 
-void to_channels_last(torch::nn::Module& m) {
-  torch::NoGradGuard ng;
-  for (auto& p : m.parameters())
-    if (p.dim() == 4) p.set_data(p.contiguous(at::MemoryFormat::ChannelsLast));
-}
-
 }  // namespace
 
 int benchmark(const cli::Config& cfg) {

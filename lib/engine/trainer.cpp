@@ -68,9 +68,11 @@ DataConfig resolve_data_config(const cli::Config& c, const ModelDefaults& d) {
 // timm's prefetcher: the uint8 batch goes to the device as is, normalisation happens there.
 struct Normalizer {
   std::vector<double> mean, std;
-  explicit Normalizer(const DataConfig& dc) : mean(dc.mean), std(dc.std) {}
+  bool channels_last;
+  Normalizer(const DataConfig& dc, bool channels_last_) : mean(dc.mean), std(dc.std), channels_last(channels_last_) {}
   at::Tensor operator()(const at::Tensor& nhwc_u8, torch::Device dev) const {
-    return data::normalize_nhwc_u8(nhwc_u8.to(dev, /*non_blocking=*/true), mean, std);
+    auto x = data::normalize_nhwc_u8(nhwc_u8.to(dev, /*non_blocking=*/true), mean, std);
+    return channels_last ? x.contiguous(at::MemoryFormat::ChannelsLast) : x;
   }
 };
 
@@ -199,6 +201,12 @@ void write_results(const std::string& path, const std::string& format, const nlo
   if (!f) throw UserError(fmt::format("--results-file '{}': cannot write", path));
 }
 
+void to_channels_last(torch::nn::Module& m) {
+  torch::NoGradGuard ng;
+  for (auto& p : m.parameters())
+    if (p.dim() == 4) p.set_data(p.contiguous(at::MemoryFormat::ChannelsLast));
+}
+
 torch::Device resolve_device(const std::string& d) {
   if (d == "auto") return torch::cuda::is_available() ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU);
   if (d == "cpu") return torch::kCPU;
@@ -266,6 +274,7 @@ EpochResult train_one_epoch(ClassifierImpl& model, data::Loader& loader, optim::
     const int64_t accum = batch_idx >= last_batch_idx_to_accum ? last_accum : o.accum_steps;
     if (b->labels.size(0) > 0) {
       auto x = data::normalize_nhwc_u8(b->images.to(o.device, /*non_blocking=*/true), o.mean, o.std);
+      if (o.channels_last) x = x.contiguous(at::MemoryFormat::ChannelsLast);
       at::Tensor y = b->labels.to(o.device);
       if (o.mixup.active() && o.mixup_enabled && x.size(0) % 2 == 0) {
         auto rng = sample_rng(o.seed ^ 0x6d69787570ull, uint64_t(o.epoch), uint64_t(batch_idx));
@@ -367,6 +376,7 @@ int train(const cli::Config& cfg) {
     log::info("Loaded weights from '{}'", cfg.initial_checkpoint);
   }
   model->to(device);
+  if (cfg.channels_last) to_channels_last(*model);
 
   data::TransformConfig train_tc;
   train_tc.train = true;
@@ -395,7 +405,7 @@ int train(const cli::Config& cfg) {
   elo.shuffle = false;
   elo.drop_last = false;
   data::Loader eval_loader(eval_ds, eval_tc, elo);
-  const Normalizer norm(dc);
+  const Normalizer norm(dc, cfg.channels_last);
 
   // timm: lr unset -> lr_base scaled by the global batch size.
   double lr;
@@ -493,6 +503,7 @@ int train(const cli::Config& cfg) {
     // Created after any resume of the model, as timm does, then given the checkpoint's EMA.
     ema = std::make_unique<ModelEma>(model_zoo::create_model(cfg.model, margs), *model, cfg.model_ema_decay,
                                      cfg.model_ema_warmup, cfg.model_ema_force_cpu ? torch::kCPU : device);
+    if (cfg.channels_last) to_channels_last(ema->module());
     if (!cfg.resume.empty()) {
       auto st = io::load_safetensors(cfg.resume);
       if (io::weights_prefix(st, true) == "ema.") io::load_state_dict(ema->module(), st, "ema.", cfg.resume);
@@ -527,6 +538,7 @@ int train(const cli::Config& cfg) {
   eo.amp = amp.enabled;
   eo.amp_dtype = amp.dtype;
   eo.scaler = scaler.get();
+  eo.channels_last = cfg.channels_last;
   for (int64_t epoch = start_epoch; epoch < num_epochs; ++epoch) {
     optimizer->set_lr(scheduler.lr_at(epoch));
     eo.epoch = epoch;
@@ -634,6 +646,7 @@ int validate(const cli::Config& cfg) {
   else
     load_pretrained_weights(*model, c, defaults);
   model->to(device);
+  if (cfg.channels_last) to_channels_last(*model);
   const int64_t params = model_zoo::count_params(*model);
   log::info("Model {} created, param count: {}", arch, params);
 
@@ -647,7 +660,7 @@ int validate(const cli::Config& cfg) {
   lo.workers = cfg.workers;
   lo.pin_memory = cfg.pin_mem && device.is_cuda();
   data::Loader loader(ds, tc, lo);
-  auto m = evaluate(*model, loader, Normalizer(dc), device, cfg.log_interval, "", resolve_amp(cfg), true);
+  auto m = evaluate(*model, loader, Normalizer(dc, cfg.channels_last), device, cfg.log_interval, "", resolve_amp(cfg), true);
   log::info(" * Acc@1 {:.3f} ({:.3f}) Acc@5 {:.3f} ({:.3f})", m.top1, 100 - m.top1, m.top5, 100 - m.top5);
 
   auto round_to = [](double v, int digits) {

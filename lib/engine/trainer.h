@@ -30,6 +30,7 @@ struct EpochOptions {
   bool amp = false;  // autocast forward and loss to amp_dtype
   at::ScalarType amp_dtype = at::kHalf;
   LossScaler* scaler = nullptr;  // float16: scale the loss, skip non-finite steps
+  bool channels_last = false;
 };
 
 struct EpochResult {
@@ -59,6 +60,8 @@ struct Amp {
   bool enabled = false;
   at::ScalarType dtype = at::kHalf;
 };
+// --channels-last: 4-D weights to NHWC memory layout (inputs follow in the training loop).
+void to_channels_last(torch::nn::Module& m);
 // --amp / --amp-dtype / --amp-opt-level.
 Amp resolve_amp(const cli::Config& cfg);
 // --results-file: one result row as csv (header + values) or json; nothing when `path` is empty.

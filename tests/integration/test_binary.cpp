@@ -230,7 +230,7 @@ TEST_CASE("mixed precision: float16 with a loss scaler, bfloat16 without", "[int
   REQUIRE(st.find("scaler.scale") != nullptr);
   CHECK(st.find("scaler.scale")->item<float>() > 0);
   auto b = test::run(kBin + " train --data-dir " + data + kSmallArgs + " --epochs 1 --amp-opt-level O1 " +
-                     "--amp-dtype bfloat16 --output " + out.path.string() + " --experiment b");
+                     "--amp-dtype bfloat16 --channels-last --output " + out.path.string() + " --experiment b");
   INFO(b.output);
   CHECK(b.code == 0);
   CHECK_THAT(b.output, Catch::Contains("bfloat16, no loss scaling"));
