@@ -36,16 +36,15 @@ bool LossScaler::unscale(const std::vector<at::Tensor>& params) {
   torch::NoGradGuard ng;
   found_inf_.zero_();
   auto inv = scale_.to(torch::kDouble).reciprocal().to(torch::kFloat32);
-  // The fused kernel wants one device and dtype per call.
+  // The fused kernel wants one device and dtype per call; each group flags into its own tensor.
   std::map<std::pair<std::string, int>, std::vector<at::Tensor>> groups;
   for (auto& p : params)
     if (p.grad().defined()) groups[{p.grad().device().str(), int(p.grad().scalar_type())}].push_back(p.grad());
   for (auto& [key, grads] : groups) {
     const auto dev = grads.front().device();
-    auto fi = found_inf_.to(dev);
+    auto fi = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat32).device(dev));
     at::_amp_foreach_non_finite_check_and_unscale_(grads, fi, inv.to(dev));
-    if (fi.device() != found_inf_.device()) found_inf_.add_(fi.to(found_inf_.device()));
-    else if (!fi.is_same(found_inf_)) found_inf_.add_(fi);
+    found_inf_.add_(fi.to(found_inf_.device()));
   }
   return found_inf_.item<float>() == 0.0f;
 }

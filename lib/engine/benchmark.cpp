@@ -20,11 +20,6 @@ double now_s(torch::Device dev) {
   return std::chrono::duration<double>(Clock::now().time_since_epoch()).count();
 }
 
-double round_to(double v, int digits) {
-  const double s = std::pow(10.0, digits);
-  return std::nearbyint(v * s) / s;
-}
-
 }  // namespace
 
 int benchmark(const cli::Config& cfg) {

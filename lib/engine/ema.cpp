@@ -21,7 +21,9 @@ ModelEma::ModelEma(std::shared_ptr<ClassifierImpl> module, const torch::nn::Modu
   for (size_t i = 0; i < dst.size(); ++i) {
     TORCH_CHECK(src[i].first == dst[i].first, "EMA module does not match the model at ", src[i].first);
     dst[i].second.copy_(src[i].second);
-    (dst[i].second.is_floating_point() ? ema_float_ : ema_other_).push_back(dst[i].second);
+    const bool fp = dst[i].second.is_floating_point();
+    (fp ? ema_float_ : ema_other_).push_back(dst[i].second);
+    (fp ? model_float_ : model_other_).push_back(src[i].second);
   }
 }
 
@@ -33,15 +35,18 @@ double ModelEma::decay_at(int64_t step) const {
   return std::max(std::min(d, decay_), 0.0);
 }
 
-void ModelEma::update(const torch::nn::Module& model, int64_t step) {
+void ModelEma::update(int64_t step) {
   torch::NoGradGuard ng;
   const double w = 1.0 - decay_at(step);
-  std::vector<at::Tensor> src_float, src_other;
-  for (auto& [k, v] : io::state_dict(model)) (v.is_floating_point() ? src_float : src_other).push_back(v);
-  for (size_t i = 0; i < ema_other_.size(); ++i) ema_other_[i].copy_(src_other[i]);
-  if (device_ != src_float.front().device())
-    for (auto& t : src_float) t = t.to(device_);
-  at::_foreach_lerp_(ema_float_, src_float, w);
+  for (size_t i = 0; i < ema_other_.size(); ++i) ema_other_[i].copy_(model_other_[i]);
+  if (model_float_.empty()) return;
+  if (device_ == model_float_.front().device()) {
+    at::_foreach_lerp_(ema_float_, model_float_, w);
+  } else {  // --model-ema-force-cpu
+    std::vector<at::Tensor> src;
+    for (auto& t : model_float_) src.push_back(t.to(device_));
+    at::_foreach_lerp_(ema_float_, src, w);
+  }
 }
 
 }  // namespace imgtrain::engine

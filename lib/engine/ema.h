@@ -11,11 +11,12 @@ namespace imgtrain::engine {
 
 class ModelEma {
  public:
-  // `module` is a model of the same architecture; it is set to a copy of `model` now.
+  // `module` is a model of the same architecture; it is set to a copy of `model` now, and
+  // follows that same `model` at every update (its tensors are looked up once, here).
   ModelEma(std::shared_ptr<ClassifierImpl> module, const torch::nn::Module& model, double decay, bool warmup,
            torch::Device device);
   double decay_at(int64_t step) const;
-  void update(const torch::nn::Module& model, int64_t step);
+  void update(int64_t step);
   ClassifierImpl& module() { return *module_; }
   torch::Device device() const { return device_; }
 
@@ -24,7 +25,8 @@ class ModelEma {
   double decay_;
   bool warmup_;
   torch::Device device_;
-  std::vector<at::Tensor> ema_float_, ema_other_;  // views into module_'s state, in state-dict order
+  std::vector<at::Tensor> ema_float_, ema_other_;      // module_'s state tensors, in state-dict order
+  std::vector<at::Tensor> model_float_, model_other_;  // the tracked model's, paired with them
 };
 
 }  // namespace imgtrain::engine

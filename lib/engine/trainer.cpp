@@ -66,13 +66,19 @@ DataConfig resolve_data_config(const cli::Config& c, const ModelDefaults& d) {
 }
 
 // timm's prefetcher: the uint8 batch goes to the device as is, normalisation happens there.
+// uint8 NHWC batch -> the model's float input on `dev` (the one place that does it).
+at::Tensor model_input(const at::Tensor& nhwc_u8, torch::Device dev, const std::vector<double>& mean,
+                       const std::vector<double>& std, bool channels_last) {
+  auto x = data::normalize_nhwc_u8(nhwc_u8.to(dev, /*non_blocking=*/true), mean, std);
+  return channels_last ? x.contiguous(at::MemoryFormat::ChannelsLast) : x;
+}
+
 struct Normalizer {
   std::vector<double> mean, std;
   bool channels_last;
   Normalizer(const DataConfig& dc, bool channels_last_) : mean(dc.mean), std(dc.std), channels_last(channels_last_) {}
   at::Tensor operator()(const at::Tensor& nhwc_u8, torch::Device dev) const {
-    auto x = data::normalize_nhwc_u8(nhwc_u8.to(dev, /*non_blocking=*/true), mean, std);
-    return channels_last ? x.contiguous(at::MemoryFormat::ChannelsLast) : x;
+    return model_input(nhwc_u8, dev, mean, std, channels_last);
   }
 };
 
@@ -201,6 +207,11 @@ void write_results(const std::string& path, const std::string& format, const nlo
   if (!f) throw UserError(fmt::format("--results-file '{}': cannot write", path));
 }
 
+double round_to(double v, int digits) {
+  const double s = std::pow(10.0, digits);
+  return std::nearbyint(v * s) / s;
+}
+
 void to_channels_last(torch::nn::Module& m) {
   torch::NoGradGuard ng;
   for (auto& p : m.parameters())
@@ -273,8 +284,7 @@ EpochResult train_one_epoch(ClassifierImpl& model, data::Loader& loader, optim::
     // timm: the final partial group divides by its own size.
     const int64_t accum = batch_idx >= last_batch_idx_to_accum ? last_accum : o.accum_steps;
     if (b->labels.size(0) > 0) {
-      auto x = data::normalize_nhwc_u8(b->images.to(o.device, /*non_blocking=*/true), o.mean, o.std);
-      if (o.channels_last) x = x.contiguous(at::MemoryFormat::ChannelsLast);
+      auto x = model_input(b->images, o.device, o.mean, o.std, o.channels_last);
       at::Tensor y = b->labels.to(o.device);
       if (o.mixup.active() && o.mixup_enabled && x.size(0) % 2 == 0) {
         auto rng = sample_rng(o.seed ^ 0x6d69787570ull, uint64_t(o.epoch), uint64_t(batch_idx));
@@ -310,7 +320,7 @@ EpochResult train_one_epoch(ClassifierImpl& model, data::Loader& loader, optim::
     if (o.scaler) o.scaler->update();
     optimizer.zero_grad();
     ++num_updates;
-    if (ema) ema->update(model, num_updates);
+    if (ema) ema->update(num_updates);
     update_time.update(seconds_since(update_start));
     update_start = Clock::now();
     if (last_batch || update_idx % o.log_interval == 0) {
@@ -663,10 +673,6 @@ int validate(const cli::Config& cfg) {
   auto m = evaluate(*model, loader, Normalizer(dc, cfg.channels_last), device, cfg.log_interval, "", resolve_amp(cfg), true);
   log::info(" * Acc@1 {:.3f} ({:.3f}) Acc@5 {:.3f} ({:.3f})", m.top1, 100 - m.top1, m.top5, 100 - m.top5);
 
-  auto round_to = [](double v, int digits) {
-    double s = std::pow(10.0, digits);
-    return std::nearbyint(v * s) / s;
-  };
   nlohmann::ordered_json r;
   r["model"] = arch;
   r["top1"] = round_to(m.top1, 4);

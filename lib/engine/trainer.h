@@ -60,6 +60,8 @@ struct Amp {
   bool enabled = false;
   at::ScalarType dtype = at::kHalf;
 };
+// Python's round(v, digits), as timm rounds its result rows.
+double round_to(double v, int digits);
 // --channels-last: 4-D weights to NHWC memory layout (inputs follow in the training loop).
 void to_channels_last(torch::nn::Module& m);
 // --amp / --amp-dtype / --amp-opt-level.

@@ -40,6 +40,33 @@ void Optimizer::set_lr(double lr) {
   for (auto& g : groups_) g.lr = lr;
 }
 
+std::vector<std::pair<std::string, at::Tensor>> Optimizer::state() const {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (auto& g : groups_)
+    for (auto& n : g.names) {
+      auto it = state_.find(n);
+      if (it == state_.end()) continue;
+      for (auto& [k, t] : it->second.buf) out.emplace_back(n + "." + k, t);
+      if (it->second.step) out.emplace_back(n + ".step", torch::tensor(double(it->second.step), torch::kFloat64));
+    }
+  return out;
+}
+
+void Optimizer::load_state(const std::map<std::string, at::Tensor>& st) {
+  state_.clear();
+  for (auto& g : groups_)
+    for (size_t i = 0; i < g.names.size(); ++i) {
+      const std::string prefix = g.names[i] + ".";
+      for (auto it = st.lower_bound(prefix); it != st.end() && it->first.rfind(prefix, 0) == 0; ++it) {
+        const std::string key = it->first.substr(prefix.size());
+        if (key.find('.') != std::string::npos) continue;  // another parameter's ("<param>.x.y")
+        auto& ps = state_[g.names[i]];
+        if (key == "step") ps.step = int64_t(it->second.item<double>());
+        else ps.buf[key] = it->second.to(g.params[i].options()).clone();
+      }
+    }
+}
+
 namespace {
 
 // torch.optim.SGD with dampening 0: buf = momentum * buf + g (buf = g on the first step);
@@ -54,36 +81,19 @@ class Sgd : public Optimizer {
       auto d = p.grad();
       if (g.weight_decay != 0) d = d.add(p, g.weight_decay);
       if (momentum_ != 0) {
-        auto it = buf_.find(name);
-        if (it == buf_.end()) {
-          it = buf_.emplace(name, d.clone()).first;
-        } else {
-          it->second.mul_(momentum_).add_(d);
-        }
+        auto& bufs = state_[name].buf;
+        auto it = bufs.find("momentum_buffer");
+        if (it == bufs.end()) it = bufs.emplace("momentum_buffer", d.clone()).first;
+        else it->second.mul_(momentum_).add_(d);
         d = nesterov_ ? d.add(it->second, momentum_) : it->second;
       }
       p.add_(d, -g.lr);
     });
   }
-  std::vector<std::pair<std::string, at::Tensor>> state() const override {
-    std::vector<std::pair<std::string, at::Tensor>> out;
-    for (auto& g : groups_)
-      for (auto& n : g.names)
-        if (auto it = buf_.find(n); it != buf_.end()) out.emplace_back(n + ".momentum_buffer", it->second);
-    return out;
-  }
-  void load_state(const std::map<std::string, at::Tensor>& st) override {
-    buf_.clear();
-    for (auto& g : groups_)
-      for (size_t i = 0; i < g.names.size(); ++i)
-        if (auto it = st.find(g.names[i] + ".momentum_buffer"); it != st.end())
-          buf_[g.names[i]] = it->second.to(g.params[i].device(), g.params[i].scalar_type()).clone();
-  }
 
  private:
   double momentum_;
   bool nesterov_;
-  std::map<std::string, at::Tensor> buf_;
 };
 
 // torch.optim.AdamW (decoupled weight decay, bias-corrected moments, amsgrad off); with
@@ -96,56 +106,26 @@ class AdamW : public Optimizer {
   }
   void step() override {
     each_with_grad([&](ParamGroup& g, const std::string& name, at::Tensor& p) {
-      auto& s = st_[name];
-      if (!s.m.defined()) {
-        s.m = torch::zeros_like(p);
-        s.v = torch::zeros_like(p);
-      }
+      auto& s = state_[name];
+      auto& m = s.buf["exp_avg"];
+      auto& v = s.buf["exp_avg_sq"];
+      if (!m.defined()) m = torch::zeros_like(p);
+      if (!v.defined()) v = torch::zeros_like(p);
       s.step += 1;
       auto grad = p.grad();
       if (decoupled_) p.mul_(1.0 - g.lr * g.weight_decay);
       else if (g.weight_decay != 0) grad = grad.add(p, g.weight_decay);
-      s.m.lerp_(grad, 1.0 - b1_);
-      s.v.mul_(b2_).addcmul_(grad, grad, 1.0 - b2_);
+      m.lerp_(grad, 1.0 - b1_);
+      v.mul_(b2_).addcmul_(grad, grad, 1.0 - b2_);
       double bc1 = 1.0 - std::pow(b1_, s.step), bc2 = 1.0 - std::pow(b2_, s.step);
-      auto denom = (s.v.sqrt() / std::sqrt(bc2)).add_(eps_);
-      p.addcdiv_(s.m, denom, -g.lr / bc1);
+      auto denom = (v.sqrt() / std::sqrt(bc2)).add_(eps_);
+      p.addcdiv_(m, denom, -g.lr / bc1);
     });
-  }
-  std::vector<std::pair<std::string, at::Tensor>> state() const override {
-    std::vector<std::pair<std::string, at::Tensor>> out;
-    for (auto& g : groups_)
-      for (auto& n : g.names)
-        if (auto it = st_.find(n); it != st_.end() && it->second.m.defined()) {
-          out.emplace_back(n + ".exp_avg", it->second.m);
-          out.emplace_back(n + ".exp_avg_sq", it->second.v);
-          out.emplace_back(n + ".step", torch::tensor(double(it->second.step), torch::kFloat64));
-        }
-    return out;
-  }
-  void load_state(const std::map<std::string, at::Tensor>& st) override {
-    st_.clear();
-    for (auto& g : groups_)
-      for (size_t i = 0; i < g.names.size(); ++i) {
-        auto m = st.find(g.names[i] + ".exp_avg"), v = st.find(g.names[i] + ".exp_avg_sq"),
-             k = st.find(g.names[i] + ".step");
-        if (m == st.end() || v == st.end() || k == st.end()) continue;
-        auto& s = st_[g.names[i]];
-        auto opts = g.params[i].options();
-        s.m = m->second.to(opts).clone();
-        s.v = v->second.to(opts).clone();
-        s.step = int64_t(k->second.item<double>());
-      }
   }
 
  private:
-  struct State {
-    at::Tensor m, v;
-    int64_t step = 0;
-  };
   double b1_, b2_, eps_;
   bool decoupled_;
-  std::map<std::string, State> st_;
 };
 
 // timm's RMSpropTF (TensorFlow-style RMSprop): the square average starts at one, eps goes inside
@@ -158,57 +138,27 @@ class RmspropTF : public Optimizer {
   }
   void step() override {
     each_with_grad([&](ParamGroup& g, const std::string& name, at::Tensor& p) {
-      auto& s = st_[name];
-      if (!s.square_avg.defined()) {
-        s.square_avg = torch::ones_like(p);
-        if (momentum_ > 0) s.buf = torch::zeros_like(p);
-      }
+      auto& s = state_[name];
+      auto& square_avg = s.buf["square_avg"];
+      if (!square_avg.defined()) square_avg = torch::ones_like(p);  // TF starts at one, torch at zero
       s.step += 1;
       auto grad = p.grad();
       if (g.weight_decay != 0) grad = grad.add(p, g.weight_decay);
-      s.square_avg.add_(grad.pow(2) - s.square_avg, 1.0 - alpha_);
-      auto avg = s.square_avg.add(eps_).sqrt_();
+      square_avg.add_(grad.pow(2) - square_avg, 1.0 - alpha_);
+      auto avg = square_avg.add(eps_).sqrt_();
       if (momentum_ > 0) {
-        s.buf.mul_(momentum_).addcdiv_(grad, avg, g.lr);
-        p.sub_(s.buf);
+        auto& buf = s.buf["momentum_buffer"];
+        if (!buf.defined()) buf = torch::zeros_like(p);
+        buf.mul_(momentum_).addcdiv_(grad, avg, g.lr);
+        p.sub_(buf);
       } else {
         p.addcdiv_(grad, avg, -g.lr);
       }
     });
   }
-  std::vector<std::pair<std::string, at::Tensor>> state() const override {
-    std::vector<std::pair<std::string, at::Tensor>> out;
-    for (auto& g : groups_)
-      for (auto& n : g.names)
-        if (auto it = st_.find(n); it != st_.end() && it->second.square_avg.defined()) {
-          out.emplace_back(n + ".square_avg", it->second.square_avg);
-          if (it->second.buf.defined()) out.emplace_back(n + ".momentum_buffer", it->second.buf);
-          out.emplace_back(n + ".step", torch::tensor(double(it->second.step), torch::kFloat64));
-        }
-    return out;
-  }
-  void load_state(const std::map<std::string, at::Tensor>& st) override {
-    st_.clear();
-    for (auto& g : groups_)
-      for (size_t i = 0; i < g.names.size(); ++i) {
-        auto sq = st.find(g.names[i] + ".square_avg"), k = st.find(g.names[i] + ".step");
-        if (sq == st.end() || k == st.end()) continue;
-        auto& s = st_[g.names[i]];
-        auto opts = g.params[i].options();
-        s.square_avg = sq->second.to(opts).clone();
-        if (auto b = st.find(g.names[i] + ".momentum_buffer"); b != st.end()) s.buf = b->second.to(opts).clone();
-        else if (momentum_ > 0) s.buf = torch::zeros_like(g.params[i]);
-        s.step = int64_t(k->second.item<double>());
-      }
-  }
 
  private:
-  struct State {
-    at::Tensor square_avg, buf;
-    int64_t step = 0;
-  };
   double alpha_, eps_, momentum_;
-  std::map<std::string, State> st_;
 };
 
 }  // namespace

@@ -33,13 +33,20 @@ class Optimizer {
   virtual void step() = 0;
   void zero_grad();
   std::vector<ParamGroup>& groups() { return groups_; }
-  // Named state tensors ("<param>.<buffer>") and scalar state, for checkpoints.
-  virtual std::vector<std::pair<std::string, at::Tensor>> state() const = 0;
-  virtual void load_state(const std::map<std::string, at::Tensor>& state) = 0;
+  // Named state tensors ("<param>.<buffer>", "<param>.step"), for checkpoints; loading moves
+  // them to each parameter's device and dtype.
+  std::vector<std::pair<std::string, at::Tensor>> state() const;
+  void load_state(const std::map<std::string, at::Tensor>& state);
   double mean_lr() const;
   void set_lr(double lr);
 
  protected:
+  // Per-parameter state, by parameter name: named buffers and the step count (0 = not counted).
+  struct ParamState {
+    std::map<std::string, at::Tensor> buf;
+    int64_t step = 0;
+  };
+  std::map<std::string, ParamState> state_;
   // Calls f(group, name, param) for every parameter that has a gradient, without autograd.
   template <typename F>
   void each_with_grad(F&& f) {

@@ -146,7 +146,7 @@ TEST_CASE("CheckpointSaver keeps the best N, last and model_best", "[io][checkpo
 }
 
 TEST_CASE("optimizer state survives a save/load round trip exactly", "[io][optim]") {
-  for (std::string name : {"sgd", "adamw"}) {
+  for (std::string name : {"sgd", "adamw", "rmsproptf"}) {
     auto make = [&](at::Tensor init) {
       std::vector<std::pair<std::string, at::Tensor>> p = {{"w", init.clone().requires_grad_(true)},
                                                             {"b.bias", torch::zeros({3}).requires_grad_(true)}};
