@@ -9,11 +9,22 @@ const Registry<ModelEntry>& registry() {
     Registry<ModelEntry> r;
     register_resnet(r);
     register_vit(r);
+    register_efficientnet(r);
+    register_convnext(r);
     return r;
   }();
   return r;
 }
 }  // namespace
+
+ModelDefaults timm_defaults(const std::string& name) {
+  static const std::map<std::string, ModelDefaults> table = {
+#include "model_zoo/pretrained_cfgs.inc"
+  };
+  auto it = table.find(name);
+  if (it == table.end()) throw std::logic_error("model_zoo/pretrained_cfgs.inc has no entry for " + name);
+  return it->second;
+}
 
 std::pair<std::string, std::string> split_model_name(const std::string& name) {
   auto dot = name.find('.');

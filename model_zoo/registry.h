@@ -28,8 +28,14 @@ Model create_model(const std::string& name, const ModelArgs& args);
 const ModelDefaults& model_defaults(const std::string& name);
 int64_t count_params(const torch::nn::Module& m);
 
+// timm's default pretrained config and tags for `name` (model_zoo/pretrained_cfgs.inc, generated
+// from timm by scripts/gen_model_cfgs.py); throws std::logic_error for a name missing there.
+ModelDefaults timm_defaults(const std::string& name);
+
 // Family registration hooks, called once by the registry.
 void register_resnet(Registry<ModelEntry>& r);
 void register_vit(Registry<ModelEntry>& r);
+void register_efficientnet(Registry<ModelEntry>& r);
+void register_convnext(Registry<ModelEntry>& r);
 
 }  // namespace imgtrain::model_zoo

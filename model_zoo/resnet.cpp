@@ -3,6 +3,7 @@
 #include "model_zoo/layers/layers.h"
 #include "model_zoo/registry.h"
 
+#include <algorithm>
 #include <cmath>
 
 namespace imgtrain::model_zoo {
@@ -17,31 +18,18 @@ struct ResNetSpec {
   int base_width = 64;
   bool deep_stem = false;  // timm stem_type='deep' with stem_width 32: three 3x3 convs
   bool avg_down = false;   // shortcut downsampling by 2x2 average pooling, then a 1x1 conv
-  double crop_pct = 0.95;  // of the default pretrained tag (the first in `tags`)
-  double test_crop_pct = 1.0;  // at test_input_size 288
-  std::vector<std::string> tags = {};
 };
 
 const std::vector<ResNetSpec>& specs() {
   static const std::vector<ResNetSpec> s = {
-      {"resnet18", false, {2, 2, 2, 2}, 1, 64, false, false, 0.95, 1.0,
-       {"a1_in1k", "a2_in1k", "a3_in1k", "fb_ssl_yfcc100m_ft_in1k", "fb_swsl_ig1b_ft_in1k", "gluon_in1k", "tv_in1k"}},
-      {"resnet34", false, {3, 4, 6, 3}, 1, 64, false, false, 0.95, 1.0,
-       {"a1_in1k", "a2_in1k", "a3_in1k", "bt_in1k", "gluon_in1k", "ra4_e3600_r224_in1k", "tv_in1k"}},
-      {"resnet50", true, {3, 4, 6, 3}, 1, 64, false, false, 0.95, 1.0,
-       {"a1_in1k", "a1h_in1k", "a2_in1k", "a3_in1k", "am_in1k", "b1k_in1k", "b2k_in1k", "bt_in1k", "c1_in1k",
-        "c2_in1k", "d_in1k", "fb_ssl_yfcc100m_ft_in1k", "fb_swsl_ig1b_ft_in1k", "gluon_in1k", "ra_in1k", "ram_in1k",
-        "tv2_in1k", "tv_in1k"}},
-      {"resnet101", true, {3, 4, 23, 3}, 1, 64, false, false, 0.95, 1.0,
-       {"a1h_in1k", "a1_in1k", "a2_in1k", "a3_in1k", "gluon_in1k", "tv2_in1k", "tv_in1k"}},
-      {"resnet152", true, {3, 8, 36, 3}, 1, 64, false, false, 0.95, 1.0,
-       {"a1h_in1k", "a1_in1k", "a2_in1k", "a3_in1k", "gluon_in1k", "tv2_in1k", "tv_in1k"}},
-      {"resnext50_32x4d", true, {3, 4, 6, 3}, 32, 4, false, false, 0.95, 1.0,
-       {"a1h_in1k", "a1_in1k", "a2_in1k", "a3_in1k", "fb_ssl_yfcc100m_ft_in1k", "fb_swsl_ig1b_ft_in1k",
-        "gluon_in1k", "ra_in1k", "tv2_in1k", "tv_in1k"}},
-      {"resnet50d", true, {3, 4, 6, 3}, 1, 64, true, true, 0.875, 0.95,
-       {"ra2_in1k", "a1_in1k", "a2_in1k", "a3_in1k", "gluon_in1k", "ra4_e3600_r224_in1k"}},
-      {"resnet26d", true, {2, 2, 2, 2}, 1, 64, true, true, 0.875, 0.95, {"bt_in1k"}},
+      {"resnet18", false, {2, 2, 2, 2}, 1, 64, false, false},
+      {"resnet34", false, {3, 4, 6, 3}, 1, 64, false, false},
+      {"resnet50", true, {3, 4, 6, 3}, 1, 64, false, false},
+      {"resnet101", true, {3, 4, 23, 3}, 1, 64, false, false},
+      {"resnet152", true, {3, 8, 36, 3}, 1, 64, false, false},
+      {"resnext50_32x4d", true, {3, 4, 6, 3}, 32, 4, false, false},
+      {"resnet50d", true, {3, 4, 6, 3}, 1, 64, true, true},
+      {"resnet26d", true, {2, 2, 2, 2}, 1, 64, true, true},
   };
   return s;
 }
@@ -139,6 +127,7 @@ class ResNetImpl : public ClassifierImpl {
       conv1_ = register_module("conv1", conv(a.in_chans, inplanes, 7, 2, 3));
     }
     bn1_ = register_module("bn1", BatchNorm2d(inplanes));
+    feature_info_.push_back({inplanes, 2, "act1"});
     const int64_t expansion = spec.bottleneck ? 4 : 1;
     int total = 0;
     for (int n : spec.layers) total += n;
@@ -176,6 +165,7 @@ class ResNetImpl : public ClassifierImpl {
         inplanes = planes * expansion;
       }
       stages_.push_back(register_module("layer" + std::to_string(stage + 1), seq));
+      feature_info_.push_back({inplanes, int64_t(4) << stage, "layer" + std::to_string(stage + 1)});
     }
     num_features_ = inplanes;
     if (num_classes_ > 0) fc_ = register_module("fc", torch::nn::Linear(num_features_, num_classes_));
@@ -187,6 +177,20 @@ class ResNetImpl : public ClassifierImpl {
     x = torch::max_pool2d(x, 3, 2, 1);
     for (auto& s : stages_) x = s->forward(x);
     return x;
+  }
+  std::vector<FeatureInfo> feature_info() const override { return feature_info_; }
+  std::vector<at::Tensor> forward_intermediates(const at::Tensor& in, const std::vector<int64_t>& indices) override {
+    std::vector<at::Tensor> out;
+    auto want = [&](int64_t level) { return std::find(indices.begin(), indices.end(), level) != indices.end(); };
+    const int64_t last = indices.empty() ? -1 : *std::max_element(indices.begin(), indices.end());
+    auto x = bn1_(stem_ ? stem_->forward(in) : conv1_(in)).relu_();
+    if (want(0)) out.push_back(x);
+    x = torch::max_pool2d(x, 3, 2, 1);
+    for (int64_t i = 0; i < int64_t(stages_.size()) && i + 1 <= last; ++i) {
+      x = stages_[i]->forward(x);
+      if (want(i + 1)) out.push_back(x);
+    }
+    return out;
   }
   at::Tensor forward_head(const at::Tensor& in, bool pre_logits) override {
     auto x = in.mean({2, 3});
@@ -214,21 +218,15 @@ class ResNetImpl : public ClassifierImpl {
   std::vector<torch::nn::Sequential> stages_;
   std::vector<std::shared_ptr<BlockImpl>> blocks_;
   torch::nn::Linear fc_{nullptr};
+  std::vector<FeatureInfo> feature_info_;
 };
 
 }  // namespace
 
 void register_resnet(Registry<ModelEntry>& r) {
   for (auto& spec : specs()) {
-    ModelDefaults d;  // timm's _cfg for ResNets; the default tags are bicubic
-    d.interpolation = "bicubic";
-    d.crop_pct = spec.crop_pct;
-    d.test_input_size = 288;  // every default ResNet tag is evaluated at 288 in timm
-    d.test_crop_pct = spec.test_crop_pct;
-    d.tags = spec.tags;
-    d.first_conv = spec.deep_stem ? "conv1.0" : "conv1";
     r.add(spec.name, ModelEntry{[&spec](const ModelArgs& a) -> Model { return std::make_shared<ResNetImpl>(spec, a); },
-                                d});
+                                timm_defaults(spec.name)});
   }
 }
 

@@ -4,6 +4,7 @@
 #include "model_zoo/layers/layers.h"
 #include "model_zoo/registry.h"
 
+#include <algorithm>
 #include <cmath>
 
 namespace imgtrain::model_zoo {
@@ -16,18 +17,14 @@ struct VitSpec {
   int64_t dim;
   int64_t depth;
   int64_t heads;
-  std::vector<std::string> tags;
 };
 
 const std::vector<VitSpec>& specs() {
   static const std::vector<VitSpec> s = {
-      {"vit_tiny_patch16_224", 16, 192, 12, 3, {"augreg_in21k_ft_in1k", "augreg_in21k"}},
-      {"vit_small_patch16_224", 16, 384, 12, 6, {"augreg_in21k_ft_in1k", "augreg_in1k", "augreg_in21k", "dino"}},
-      {"vit_base_patch16_224", 16, 768, 12, 12,
-       {"augreg2_in21k_ft_in1k", "augreg_in1k", "augreg_in21k", "augreg_in21k_ft_in1k", "bamboo", "dino", "mae",
-        "orig_in21k", "orig_in21k_ft_in1k", "sam_in1k"}},
-      {"vit_base_patch32_224", 32, 768, 12, 12,
-       {"augreg_in21k_ft_in1k", "augreg_in1k", "augreg_in21k", "orig_in21k", "sam_in1k"}},
+      {"vit_tiny_patch16_224", 16, 192, 12, 3},
+      {"vit_small_patch16_224", 16, 384, 12, 6},
+      {"vit_base_patch16_224", 16, 768, 12, 12},
+      {"vit_base_patch32_224", 32, 768, 12, 12},
   };
   return s;
 }
@@ -129,6 +126,29 @@ class VisionTransformerImpl : public ClassifierImpl {
   int64_t num_classes() const override { return num_classes_; }
   int64_t num_features() const override { return spec_.dim; }
   std::set<std::string> no_weight_decay() const override { return {"pos_embed", "cls_token"}; }
+  std::vector<FeatureInfo> feature_info() const override {
+    std::vector<FeatureInfo> v;
+    for (int64_t i = 0; i < spec_.depth; ++i) v.push_back({spec_.dim, spec_.patch, "blocks." + std::to_string(i)});
+    return v;
+  }
+  std::vector<int64_t> default_out_indices() const override {  // timm: out_indices=3, the last three blocks
+    return {spec_.depth - 3, spec_.depth - 2, spec_.depth - 1};
+  }
+  // timm's forward_intermediates(norm=False, output_fmt='NCHW'): block outputs without the class
+  // token, as B x C x H/patch x W/patch.
+  std::vector<at::Tensor> forward_intermediates(const at::Tensor& in, const std::vector<int64_t>& indices) override {
+    const int64_t gh = in.size(2) / spec_.patch, gw = in.size(3) / spec_.patch;
+    auto x = patch_embed_(in);
+    x = torch::cat({cls_token_.expand({x.size(0), -1, -1}), x}, 1) + pos_embed_;
+    std::vector<at::Tensor> out;
+    const int64_t last = indices.empty() ? -1 : *std::max_element(indices.begin(), indices.end());
+    for (int64_t i = 0; i <= last; ++i) {
+      x = blocks_[i]->as<BlockImpl>()->forward(x);
+      if (std::find(indices.begin(), indices.end(), i) != indices.end())
+        out.push_back(x.slice(1, 1).reshape({x.size(0), gh, gw, -1}).permute({0, 3, 1, 2}).contiguous());
+    }
+    return out;
+  }
 
  private:
   void init_weights() {  // timm 'timm' mode: trunc_normal(.02) for Linear, zero biases
@@ -156,15 +176,8 @@ class VisionTransformerImpl : public ClassifierImpl {
 
 void register_vit(Registry<ModelEntry>& r) {
   for (auto& s : specs()) {
-    ModelDefaults d;  // timm's ViT _cfg
-    d.mean = {0.5, 0.5, 0.5};
-    d.std = {0.5, 0.5, 0.5};
-    d.crop_pct = 0.9;
-    d.interpolation = "bicubic";
-    d.first_conv = "patch_embed.proj";
-    d.classifier = "head";
-    d.tags = s.tags;
-    r.add(s.name, ModelEntry{[&s](const ModelArgs& a) -> Model { return std::make_shared<VisionTransformerImpl>(s, a); }, d});
+    r.add(s.name, ModelEntry{[&s](const ModelArgs& a) -> Model { return std::make_shared<VisionTransformerImpl>(s, a); },
+                             timm_defaults(s.name)});
   }
 }
 

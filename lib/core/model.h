@@ -5,6 +5,7 @@
 #include <torch/nn/module.h>
 #include <array>
 #include <set>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -33,6 +34,14 @@ struct ModelArgs {
   int64_t img_size = 0;  // for models whose shapes depend on it (ViT position embeddings); 0 = default
 };
 
+// One level of a model's multi-scale feature maps (timm's feature_info): channels, stride relative
+// to the input, and the module whose output it is.
+struct FeatureInfo {
+  int64_t num_chs;
+  int64_t reduction;
+  std::string module;
+};
+
 class ClassifierImpl : public torch::nn::Module {
  public:
   virtual at::Tensor forward_features(const at::Tensor& x) = 0;
@@ -42,6 +51,20 @@ class ClassifierImpl : public torch::nn::Module {
   virtual int64_t num_features() const = 0;
   // Parameters excluded from weight decay beyond timm's 1-D rule (timm's model.no_weight_decay()).
   virtual std::set<std::string> no_weight_decay() const { return {}; }
+  // The features API (timm's features_only models, the detection backbone): every level the
+  // model can return, and the NCHW maps of the levels in `indices` (indices into feature_info(),
+  // ascending), computed with one pass through the trunk. Every zoo model implements both; the
+  // defaults serve toy models in tests that have no feature levels.
+  virtual std::vector<FeatureInfo> feature_info() const { return {}; }
+  virtual std::vector<at::Tensor> forward_intermediates(const at::Tensor&, const std::vector<int64_t>&) {
+    throw std::logic_error("this model has no feature levels");
+  }
+  // timm's default out_indices for features_only (all levels for CNNs, the last three blocks for ViT).
+  virtual std::vector<int64_t> default_out_indices() const {
+    std::vector<int64_t> v(feature_info().size());
+    for (size_t i = 0; i < v.size(); ++i) v[i] = int64_t(i);
+    return v;
+  }
 };
 
 }  // namespace imgtrain

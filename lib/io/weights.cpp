@@ -92,6 +92,23 @@ at::Tensor adapt_input_conv(int64_t in_chans, const at::Tensor& weight) {
   return w.to(weight.scalar_type());
 }
 
+at::Tensor resample_abs_pos_embed(const at::Tensor& posemb, int64_t new_h, int64_t new_w, int64_t num_prefix_tokens) {
+  const int64_t n = posemb.size(1) - num_prefix_tokens, dim = posemb.size(2);
+  const auto side = int64_t(std::lround(std::sqrt(double(n))));
+  if (side * side != n)
+    throw UserError(fmt::format("pos_embed with {} grid tokens is not a square grid; cannot resample it", n));
+  auto prefix = posemb.narrow(1, 0, num_prefix_tokens);
+  auto grid = posemb.narrow(1, num_prefix_tokens, n).to(torch::kFloat32).reshape({1, side, side, dim}).permute({0, 3, 1, 2});
+  namespace F = torch::nn::functional;
+  grid = F::interpolate(grid, F::InterpolateFuncOptions()
+                                  .size(std::vector<int64_t>{new_h, new_w})
+                                  .mode(torch::kBicubic)
+                                  .align_corners(false)
+                                  .antialias(true));
+  grid = grid.permute({0, 2, 3, 1}).reshape({1, new_h * new_w, dim}).to(posemb.scalar_type());
+  return torch::cat({prefix, grid}, 1);
+}
+
 std::string load_pretrained(torch::nn::Module& m, const SafeTensors& st, const PretrainedSpec& spec,
                             const std::string& what) {
   const std::string prefix = weights_prefix(st, true);
@@ -115,6 +132,15 @@ std::string load_pretrained(torch::nn::Module& m, const SafeTensors& st, const P
     if (k == conv_key && it != model_sd.end() && v.dim() == 4 && it->second.size(1) != v.size(1)) {
       t = adapt_input_conv(it->second.size(1), v);
       note += fmt::format("adapted {} from {} to {} input channels; ", conv_key, v.size(1), it->second.size(1));
+    }
+    if (k == "pos_embed" && it != model_sd.end() && v.dim() == 3 && it->second.dim() == 3 &&
+        it->second.size(1) != v.size(1) && it->second.size(2) == v.size(2)) {
+      // a ViT at another image size: the square grid of the model (after the class token)
+      const int64_t n = it->second.size(1) - 1, side = int64_t(std::lround(std::sqrt(double(n))));
+      if (side * side == n) {
+        t = resample_abs_pos_embed(v, side, side, 1);
+        note += fmt::format("resampled pos_embed from {} to {} tokens; ", v.size(1), it->second.size(1));
+      }
     }
     adapted.tensors.emplace_back(k, t);
   }

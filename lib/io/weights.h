@@ -38,6 +38,10 @@ struct PretrainedSpec {
 std::string load_pretrained(torch::nn::Module& m, const SafeTensors& st, const PretrainedSpec& spec,
                             const std::string& what);
 at::Tensor adapt_input_conv(int64_t in_chans, const at::Tensor& weight);
+// timm's resample_abs_pos_embed: a 1 x (prefix + h*w) x C position embedding on a square grid
+// resized to new_h x new_w by antialiased bicubic interpolation (in float32), prefix tokens kept.
+// load_pretrained applies it to `pos_embed` when the model's grid differs from the file's.
+at::Tensor resample_abs_pos_embed(const at::Tensor& posemb, int64_t new_h, int64_t new_w, int64_t num_prefix_tokens);
 
 // Offline Hugging Face hub cache: <cache>/models--timm--<model>.<tag>/snapshots/<rev>/model.safetensors,
 // with <cache> from HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub, and <rev>

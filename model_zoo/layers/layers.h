@@ -1,7 +1,13 @@
-// Shared building blocks used by several model families.
+// Shared building blocks used by several model families (timm/layers): stochastic depth,
+// initialisers, channel rounding, activations, convolutions with timm's padding rules (including
+// TF 'same'), squeeze-and-excite, and layer norm over the channels of NCHW tensors.
 #pragma once
 #include <torch/nn/module.h>
+#include <torch/nn/modules/conv.h>
+#include <torch/nn/modules/normalization.h>
 #include <torch/nn/pimpl.h>
+
+#include <string>
 
 namespace imgtrain::model_zoo {
 
@@ -9,9 +15,52 @@ namespace imgtrain::model_zoo {
 // branch with probability p and scale the survivors by 1 / (1 - p).
 at::Tensor drop_path(const at::Tensor& x, double p, bool training);
 
-}  // namespace imgtrain::model_zoo
-
-namespace imgtrain::model_zoo {
-// torch.nn.init.trunc_normal_ (inverse-CDF sampling): normal(mean, std) truncated to [a, b].
+// torch.nn.init.trunc_normal_ (inverse-CDF sampling): normal(mean, std) truncated to [a, b],
+// except that no sample lands exactly on a bound far out in the tails (see layers.cpp).
 void trunc_normal_(at::Tensor t, double mean, double std, double a, double b);
+
+// timm's make_divisible: nearest multiple of `divisor`, at least min_value (default divisor), and
+// never more than 10% below v.
+int64_t make_divisible(double v, int64_t divisor = 8, int64_t min_value = 0, double round_limit = 0.9);
+// Python's round() on a double (halves to even), which timm uses for some channel counts.
+int64_t py_round(double v);
+
+// Activations by timm's names; `inplace` where timm's layer is in place.
+enum class Act { Identity, ReLU, ReLU6, Swish, HardSwish, HardSigmoid, Sigmoid, GELU };
+at::Tensor apply_act(at::Tensor x, Act a, bool inplace = false);
+
+// A Conv2d created as timm's create_conv2d(padding=pad_type) creates it: pad_type "" is symmetric
+// padding ((stride - 1) + dilation * (k - 1)) / 2; "same" is TF 'same' padding, static when
+// stride 1 makes it symmetric, otherwise computed per input (timm's Conv2dSame). The parameters
+// are `weight` (and `bias`), as timm's.
+struct ConvImpl : torch::nn::Conv2dImpl {
+  ConvImpl(int64_t in, int64_t out, int64_t k, int64_t stride = 1, int64_t groups = 1, bool bias = false,
+           const std::string& pad_type = "", int64_t dilation = 1);
+  at::Tensor forward(const at::Tensor& x);
+  bool dynamic_same = false;
+};
+TORCH_MODULE(Conv);
+
+// Squeeze-and-excite as timm's _efficientnet_blocks.SqueezeExcite: mean over H, W, 1x1 reduce,
+// activation, 1x1 expand, gate (sigmoid or hard sigmoid); modules conv_reduce, conv_expand.
+struct SqueezeExciteImpl : torch::nn::Module {
+  SqueezeExciteImpl(int64_t channels, int64_t reduced, Act act, Act gate);
+  at::Tensor forward(const at::Tensor& x);
+  torch::nn::Conv2d conv_reduce{nullptr}, conv_expand{nullptr};
+  Act act, gate;
+};
+TORCH_MODULE(SqueezeExcite);
+
+// timm's LayerNorm2d: layer norm over the channels of an NCHW tensor (parameters weight, bias).
+struct LayerNorm2dImpl : torch::nn::LayerNormImpl {
+  LayerNorm2dImpl(int64_t channels, double eps = 1e-6);
+  at::Tensor forward(const at::Tensor& x);
+};
+TORCH_MODULE(LayerNorm2d);
+
+// timm's efficientnet_init_weights (_init_weight_goog, fix_group_fanout): convolutions
+// normal(0, sqrt(2 / fan_out)) with fan_out = k*k*out/groups, BatchNorm ones/zeros, Linear
+// uniform(+-1/sqrt(out)), biases zero.
+void init_weights_goog(torch::nn::Module& m);
+
 }  // namespace imgtrain::model_zoo

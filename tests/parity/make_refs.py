@@ -43,7 +43,19 @@ def randomize_norms(model, g):
                 m.bias.copy_(torch.randn(m.bias.shape, generator=g) * 0.1)
 
 
-def model_refs(name, train_grads, init_stats, input_size=64, **kwargs):
+def robust_stats(v):
+    # mean and std without values more than 6 std from the mean: torch's trunc_normal_ puts about
+    # one weight in 4 million exactly on its bound (+-2, i.e. 100 std for std .02), which would
+    # otherwise dominate the std of a large tensor. test_parity.cpp computes the same statistic.
+    v = v.double().flatten()
+    if v.numel() < 2:
+        return [v.mean().item(), 0.0, v.numel()]
+    m, s = v.mean(), v.std()
+    v = v[(v - m).abs() <= 6 * s]
+    return [v.mean().item(), v.std().item(), v.numel()]
+
+
+def model_refs(name, train_grads, init_stats, input_size=64, features=True, **kwargs):
     g = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     model = timm.create_model(name, num_classes=10, **kwargs)
@@ -57,6 +69,17 @@ def model_refs(name, train_grads, init_stats, input_size=64, **kwargs):
         tensors['ref.eval_out'] = model(x)
     meta = {'keys': json.dumps([[k, list(v.shape)] for k, v in model.state_dict().items()]),
             'param_count': str(sum(p.numel() for p in model.parameters()))}
+    if features:  # the features API: every level timm's feature_info lists, from forward_intermediates
+        info = model.feature_info
+        levels = list(range(len(info)))
+        kw = dict(norm=False) if name.startswith('vit_') else {}
+        with torch.no_grad():
+            feats = model.forward_intermediates(x, indices=levels, intermediates_only=True, **kw)
+        for i, f in enumerate(feats):
+            tensors[f'feat.{i}'] = f.contiguous()
+        fo = timm.create_model(name, features_only=True, pretrained=False, **kwargs)
+        meta['feature_info'] = json.dumps([[f['num_chs'], f['reduction'], f['module']] for f in info])
+        meta['out_indices'] = json.dumps(list(fo.feature_info.out_indices))
     if train_grads:
         model.train()
         xt = torch.randn(4, 3, input_size, input_size, generator=g)
@@ -74,8 +97,7 @@ def model_refs(name, train_grads, init_stats, input_size=64, **kwargs):
             tensors['after.' + k] = b.clone().contiguous()
     if init_stats:  # of a fresh model (1000 classes, timm defaults)
         fresh = timm.create_model(name, **kwargs)
-        stats = {k: [v.float().mean().item(), v.float().std().item() if v.numel() > 1 else 0.0, v.numel()]
-                 for k, v in fresh.state_dict().items() if v.dtype.is_floating_point}
+        stats = {k: robust_stats(v) for k, v in fresh.state_dict().items() if v.dtype.is_floating_point}
         meta['init_stats'] = json.dumps(stats)
     save_file(tensors, os.path.join(out, f'{name}.safetensors'), metadata=meta)
 
@@ -89,6 +111,16 @@ RESNETS = ['resnet18', 'resnet34', 'resnet50', 'resnet101', 'resnet152', 'resnex
 for name in RESNETS:
     model_refs(name, train_grads=name in ('resnet18', 'resnet26d'),
                init_stats=name in ('resnet18', 'resnet50', 'resnext50_32x4d', 'resnet26d'))
+
+# MobileNet / EfficientNet / ConvNeXt. tf_ models at odd sizes, so TF 'same' padding is asymmetric.
+EFFNETS = ['mobilenetv3_large_100', 'mobilenetv3_small_100', 'mobilenetv3_large_075', 'mobilenetv2_100',
+           *[f'efficientnet_b{i}' for i in range(5)], *[f'tf_efficientnet_b{i}' for i in range(5)]]
+for name in EFFNETS:
+    model_refs(name, train_grads=name in ('mobilenetv3_large_100', 'efficientnet_b0', 'tf_efficientnet_b0'),
+               init_stats=name in ('mobilenetv3_large_100', 'mobilenetv2_100', 'efficientnet_b0', 'tf_efficientnet_b2'),
+               input_size=63 if name.startswith('tf_') else 64)
+for name in ['convnext_tiny', 'convnext_small']:
+    model_refs(name, train_grads=name == 'convnext_tiny', init_stats=name == 'convnext_tiny')
 
 # timm's optimizer factory (parameter groups, defaults) on a tiny module, three steps each.
 from timm.optim import create_optimizer_v2
@@ -213,6 +245,12 @@ w3 = torch.randn(4, 3, 3, 3, generator=g)
 sched['adapt.w3'] = w3
 for c in (1, 2, 4, 7):
     sched[f'adapt.c{c}'] = adapt_input_conv(c, w3.clone()).contiguous()
+# timm's resample_abs_pos_embed (ViT weights loaded at another image size).
+from timm.layers import resample_abs_pos_embed
+pe = torch.randn(1, 1 + 4 * 4, 8, generator=g)
+sched['posemb.in'] = pe
+for side in (6, 3, 2):
+    sched[f'posemb.{side}'] = resample_abs_pos_embed(pe, [side, side], num_prefix_tokens=1).contiguous()
 # Mixup targets and the losses train.py picks with mixup / --bce-loss.
 from timm.data.mixup import mixup_target
 from timm.loss import BinaryCrossEntropy, SoftTargetCrossEntropy

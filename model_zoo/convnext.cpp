@@ -1,0 +1,167 @@
+// ConvNeXt as timm builds it (timm/models/convnext.py: patch stem, LayerNorm, channels-last MLP,
+// layer scale, NormMlpClassifierHead): same module names, so named_parameters() is timm's state dict.
+#include "core/error.h"
+#include "model_zoo/layers/layers.h"
+#include "model_zoo/registry.h"
+
+#include <torch/torch.h>
+
+#include <algorithm>
+
+namespace imgtrain::model_zoo {
+namespace {
+
+// ---- architecture table ---------------------------------------------------------------------
+struct ConvNeXtSpec {
+  const char* name;
+  std::array<int64_t, 4> depths;
+  std::array<int64_t, 4> dims;
+};
+
+const std::vector<ConvNeXtSpec>& specs() {
+  static const std::vector<ConvNeXtSpec> s = {
+      {"convnext_tiny", {3, 3, 9, 3}, {96, 192, 384, 768}},
+      {"convnext_small", {3, 3, 27, 3}, {96, 192, 384, 768}},
+  };
+  return s;
+}
+
+// ---- blocks ---------------------------------------------------------------------------------
+using torch::nn::Linear;
+
+// 7x7 depthwise conv, LayerNorm and the MLP over channels (NHWC), layer scale `gamma`, residual.
+struct ConvNeXtBlockImpl : torch::nn::Module {
+  torch::nn::Conv2d conv_dw{nullptr};
+  torch::nn::LayerNorm norm{nullptr};
+  std::shared_ptr<torch::nn::Module> mlp;
+  Linear fc1{nullptr}, fc2{nullptr};
+  at::Tensor gamma;
+  double dpr;
+  ConvNeXtBlockImpl(int64_t dim, double drop_path_rate, double ls_init) : dpr(drop_path_rate) {
+    conv_dw = register_module("conv_dw",
+                              torch::nn::Conv2d(torch::nn::Conv2dOptions(dim, dim, 7).padding(3).groups(dim)));
+    norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({dim}).eps(1e-6)));
+    mlp = register_module("mlp", std::make_shared<torch::nn::Module>());
+    fc1 = mlp->register_module("fc1", Linear(dim, 4 * dim));
+    fc2 = mlp->register_module("fc2", Linear(4 * dim, dim));
+    gamma = register_parameter("gamma", torch::full({dim}, ls_init));
+  }
+  at::Tensor forward(const at::Tensor& in) {
+    auto x = conv_dw(in).permute({0, 2, 3, 1});
+    x = fc2(torch::gelu(fc1(norm(x)))).permute({0, 3, 1, 2});
+    x = x.mul(gamma.reshape({1, -1, 1, 1}));
+    return drop_path(x, dpr, is_training()) + in;
+  }
+};
+TORCH_MODULE(ConvNeXtBlock);
+
+class ConvNeXtImpl : public ClassifierImpl {
+ public:
+  ConvNeXtImpl(const ConvNeXtSpec& s, const ModelArgs& a) : num_classes_(a.num_classes), drop_rate_(a.drop_rate) {
+    if (a.global_pool != "avg")
+      throw UserError(fmt::format("{}: global_pool '{}' is not implemented (avg is)", s.name, a.global_pool));
+    stem_ = register_module("stem", torch::nn::Sequential());
+    stem_->push_back("0", torch::nn::Conv2d(torch::nn::Conv2dOptions(a.in_chans, s.dims[0], 4).stride(4)));
+    stem_->push_back("1", LayerNorm2d(s.dims[0]));
+    // drop path: linspace(0, rate, total depth), split by stage (timm's stagewise rates)
+    int64_t total = 0;
+    for (auto d : s.depths) total += d;
+    auto rates = torch::linspace(0.0, a.drop_path_rate, total, torch::kFloat64);
+    stages_ = register_module("stages", torch::nn::ModuleList());
+    int64_t idx = 0, stride = 4;
+    for (int i = 0; i < 4; ++i) {
+      auto stage = std::make_shared<torch::nn::Module>();
+      if (i > 0) {  // LayerNorm2d then a 2x2 stride-2 conv
+        auto ds = torch::nn::Sequential();
+        ds->push_back("0", LayerNorm2d(s.dims[i - 1]));
+        ds->push_back("1", torch::nn::Conv2d(torch::nn::Conv2dOptions(s.dims[i - 1], s.dims[i], 2).stride(2)));
+        stage->register_module("downsample", ds);
+        downsample_.push_back(ds);
+        stride *= 2;
+      } else {
+        downsample_.push_back(nullptr);
+      }
+      auto blocks = torch::nn::ModuleList();
+      std::vector<ConvNeXtBlock> bl;
+      for (int64_t j = 0; j < s.depths[i]; ++j, ++idx) {
+        bl.push_back(ConvNeXtBlock(s.dims[i], rates[idx].item<double>(), 1e-6));
+        blocks->push_back(bl.back());
+      }
+      stage->register_module("blocks", blocks);
+      stages_->push_back(stage);
+      blocks_.push_back(std::move(bl));
+      feature_info_.push_back({s.dims[i], stride, "stages." + std::to_string(i)});
+    }
+    num_features_ = s.dims[3];
+    head_ = register_module("head", std::make_shared<torch::nn::Module>());
+    head_norm_ = head_->register_module("norm", LayerNorm2d(num_features_));
+    if (num_classes_ > 0) head_fc_ = head_->register_module("fc", Linear(num_features_, num_classes_));
+    init_weights();
+  }
+
+  at::Tensor forward_features(const at::Tensor& in) override {
+    auto x = stem_->forward(in);
+    for (size_t i = 0; i < blocks_.size(); ++i) x = run_stage(i, x);
+    return x;
+  }
+  // timm's NormMlpClassifierHead: average pool, LayerNorm2d, flatten, dropout, fc.
+  at::Tensor forward_head(const at::Tensor& in, bool pre_logits) override {
+    auto x = head_norm_(in.mean({2, 3}, /*keepdim=*/true)).flatten(1);
+    if (drop_rate_ > 0) x = torch::dropout(x, drop_rate_, is_training());
+    if (pre_logits || !head_fc_) return x;
+    return head_fc_(x);
+  }
+  int64_t num_classes() const override { return num_classes_; }
+  int64_t num_features() const override { return num_features_; }
+  std::vector<FeatureInfo> feature_info() const override { return feature_info_; }
+  std::vector<at::Tensor> forward_intermediates(const at::Tensor& in, const std::vector<int64_t>& indices) override {
+    std::vector<at::Tensor> out;
+    const int64_t last = indices.empty() ? -1 : *std::max_element(indices.begin(), indices.end());
+    auto x = stem_->forward(in);
+    for (int64_t i = 0; i <= last; ++i) {
+      x = run_stage(size_t(i), x);
+      if (std::find(indices.begin(), indices.end(), i) != indices.end()) out.push_back(x);
+    }
+    return out;
+  }
+
+ private:
+  at::Tensor run_stage(size_t i, at::Tensor x) {
+    if (downsample_[i]) x = downsample_[i]->forward(x);
+    for (auto& b : blocks_[i]) x = b(x);
+    return x;
+  }
+  void init_weights() {  // timm's _init_weights: trunc_normal(.02) for convs and linears, zero biases
+    torch::NoGradGuard ng;
+    for (auto& m : modules(false)) {
+      if (auto* c = m->as<torch::nn::Conv2dImpl>()) {
+        trunc_normal_(c->weight, 0.0, 0.02, -2.0, 2.0);
+        if (c->bias.defined()) c->bias.zero_();
+      } else if (auto* l = m->as<torch::nn::LinearImpl>()) {
+        trunc_normal_(l->weight, 0.0, 0.02, -2.0, 2.0);
+        l->bias.zero_();
+      }
+    }
+  }
+
+  int64_t num_classes_, num_features_ = 0;
+  double drop_rate_;
+  torch::nn::Sequential stem_{nullptr};
+  torch::nn::ModuleList stages_{nullptr};
+  std::shared_ptr<torch::nn::Module> head_;
+  std::vector<torch::nn::Sequential> downsample_;
+  std::vector<std::vector<ConvNeXtBlock>> blocks_;
+  LayerNorm2d head_norm_{nullptr};
+  Linear head_fc_{nullptr};
+  std::vector<FeatureInfo> feature_info_;
+};
+
+}  // namespace
+
+void register_convnext(Registry<ModelEntry>& r) {
+  for (auto& s : specs())
+    r.add(s.name, ModelEntry{[&s](const ModelArgs& a) -> Model { return std::make_shared<ConvNeXtImpl>(s, a); },
+                             timm_defaults(s.name)});
+}
+
+}  // namespace imgtrain::model_zoo
