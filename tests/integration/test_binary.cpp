@@ -341,6 +341,50 @@ TEST_CASE("models lists the registry with parameter counts", "[integration]") {
   INFO(r.output);
   CHECK(r.code == 0);
   CHECK_THAT(r.output, Catch::Contains("resnet18") && Catch::Contains("11689512") && Catch::Contains("25557032"));
+  auto all = test::run(kBin + " models");
+  INFO(all.output);
+  for (const char* name : {"resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "resnext50_32x4d", "resnet50d",
+                           "resnet26d", "mobilenetv3_large_100", "mobilenetv3_small_100", "mobilenetv3_large_075",
+                           "mobilenetv2_100", "efficientnet_b0", "efficientnet_b1", "efficientnet_b2", "efficientnet_b3",
+                           "efficientnet_b4", "tf_efficientnet_b0", "tf_efficientnet_b1", "tf_efficientnet_b2",
+                           "tf_efficientnet_b3", "tf_efficientnet_b4", "vit_tiny_patch16_224", "vit_small_patch16_224",
+                           "vit_base_patch16_224", "vit_base_patch32_224", "convnext_tiny", "convnext_small"})
+    CHECK_THAT("\n" + all.output, Catch::Contains(std::string("\n") + name + " "));
   auto v = test::run(kBin + " --version");
   CHECK_THAT(v.output, Catch::Contains("imgtrain 0.1.0"));
+}
+
+TEST_CASE("each family trains, exports, and timm reproduces the outputs from the exported file", "[integration]") {
+  auto data = fmnist_folder(200, 100);
+  REQUIRE(fs::exists(kPython));
+  for (std::string name : {"mobilenetv3_small_100", "mobilenetv2_100", "efficientnet_b0", "tf_efficientnet_b0",
+                           "convnext_tiny"}) {
+    INFO(name);
+    test::TempDir out("family");
+    auto r = test::run(kBin + " train --data-dir " + data + " --model " + name +
+                       " --img-size 32 --in-chans 1 -b 50 --opt adamw --lr 1e-3 --warmup-epochs 0 -j 2 --device cpu"
+                       " --epochs 1 --experiment f --output " + out.path.string());
+    INFO(r.output);
+    REQUIRE(r.code == 0);
+    auto ex = test::run(kBin + " export --checkpoint " + (out / "f/last.safetensors") + " --out " +
+                        (out / "model.safetensors"));
+    REQUIRE(ex.code == 0);
+    ModelArgs a;
+    a.num_classes = 10;
+    a.in_chans = 1;
+    auto model = model_zoo::create_model(name, a);
+    io::load_state_dict(*model, io::load_safetensors(out / "model.safetensors"), "", "export");
+    model->eval();
+    torch::manual_seed(6);
+    auto x = torch::randn({2, 1, 35, 35});  // odd size: TF 'same' padding is asymmetric here
+    torch::NoGradGuard ng;
+    auto y = model->forward(x);
+    io::save_safetensors(out / "x.safetensors", {{"x", x}});
+    auto py = test::run(kPython + " " + IMGTRAIN_SOURCE_DIR + "/tests/parity/timm_forward.py export " +
+                        (out / "model.safetensors") + " " + name + " 10 1 " + (out / "x.safetensors") + " " +
+                        (out / "y.safetensors"));
+    INFO(py.output);
+    REQUIRE(py.code == 0);
+    CHECK((*io::load_safetensors(out / "y.safetensors").find("y") - y).abs().max().item<double>() < 1e-4);
+  }
 }
