@@ -15,7 +15,7 @@ for ((r = 0; r < runs; r++)); do
   ours_i+=("$(field infer_samples_per_sec <<<"$o")"); ours_t+=("$(field train_samples_per_sec <<<"$o")")
   ref_i+=("$(field infer_samples_per_sec <<<"$t")"); ref_t+=("$(field train_samples_per_sec <<<"$t")")
 done
-median() { printf '%s\n' "$@" | grep -v '^$' | sort -g | awk '{a[NR]=$1} END {if (NR) print (NR % 2 ? a[(NR+1)/2] : (a[NR/2] + a[NR/2+1]) / 2)}'; }
+median() { printf '%s\n' "$@" | { grep -v '^$' || true; } | sort -g | awk '{a[NR]=$1} END {if (NR) print (NR % 2 ? a[(NR+1)/2] : (a[NR/2] + a[NR/2+1]) / 2)}'; }
 for kind in infer train; do
   if [[ $kind == infer ]]; then mo=$(median "${ours_i[@]}"); mr=$(median "${ref_i[@]}"); else mo=$(median "${ours_t[@]}"); mr=$(median "${ref_t[@]}"); fi
   [[ -z $mo || -z $mr ]] && continue

@@ -58,8 +58,8 @@ TORCH_MODULE(ConvNeXtBlock);
 class ConvNeXtImpl : public ClassifierImpl {
  public:
   ConvNeXtImpl(const ConvNeXtSpec& s, const ModelArgs& a) : num_classes_(a.num_classes), drop_rate_(a.drop_rate) {
-    if (a.global_pool != "avg")
-      throw UserError(fmt::format("{}: global_pool '{}' is not implemented (avg is)", s.name, a.global_pool));
+    // timm's NormMlpClassifierHead normalises num_features channels, so no catavgmax
+    pool_ = resolve_global_pool(s.name, a.global_pool, "avg", {"avg", "max", "avgmax"});
     stem_ = register_module("stem", torch::nn::Sequential());
     stem_->push_back("0", torch::nn::Conv2d(torch::nn::Conv2dOptions(a.in_chans, s.dims[0], 4).stride(4)));
     stem_->push_back("1", LayerNorm2d(s.dims[0]));
@@ -106,7 +106,7 @@ class ConvNeXtImpl : public ClassifierImpl {
   }
   // timm's NormMlpClassifierHead: average pool, LayerNorm2d, flatten, dropout, fc.
   at::Tensor forward_head(const at::Tensor& in, bool pre_logits) override {
-    auto x = head_norm_(in.mean({2, 3}, /*keepdim=*/true)).flatten(1);
+    auto x = head_norm_(global_pool(in, pool_, /*keepdim=*/true)).flatten(1);
     if (drop_rate_ > 0) x = torch::dropout(x, drop_rate_, is_training());
     if (pre_logits || !head_fc_) return x;
     return head_fc_(x);
@@ -114,6 +114,12 @@ class ConvNeXtImpl : public ClassifierImpl {
   int64_t num_classes() const override { return num_classes_; }
   int64_t num_features() const override { return num_features_; }
   std::vector<FeatureInfo> feature_info() const override { return feature_info_; }
+  std::vector<GroupRule> group_matcher() const override {
+    return {{0, "^stem", {}},
+            {1, R"(^stages\.(\d+)\.downsample)", {0}},
+            {1, R"(^stages\.(\d+)\.blocks\.(\d+))", {}},
+            {1, "^norm_pre", {99999}}};
+  }
   std::vector<at::Tensor> forward_intermediates(const at::Tensor& in, const std::vector<int64_t>& indices) override {
     std::vector<at::Tensor> out;
     const int64_t last = indices.empty() ? -1 : *std::max_element(indices.begin(), indices.end());
@@ -146,6 +152,7 @@ class ConvNeXtImpl : public ClassifierImpl {
 
   int64_t num_classes_, num_features_ = 0;
   double drop_rate_;
+  std::string pool_;
   torch::nn::Sequential stem_{nullptr};
   torch::nn::ModuleList stages_{nullptr};
   std::shared_ptr<torch::nn::Module> head_;

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <optional>
 
 namespace imgtrain::model_zoo {
@@ -157,12 +158,9 @@ struct BlockCfg {  // what the builder resolves for every block
 
 BatchNorm2d bn(int64_t c, double eps) { return BatchNorm2d(torch::nn::BatchNormOptions(c).eps(eps)); }
 
-struct EffBlockImpl : torch::nn::Module {
-  virtual at::Tensor forward(at::Tensor x) = 0;
-};
 
 // timm's DepthwiseSeparableConv: dw conv, BN + act, SE, pw conv, BN (no act), residual.
-struct DepthwiseSeparableImpl : EffBlockImpl {
+struct DepthwiseSeparableImpl : torch::nn::Module {
   Conv conv_dw{nullptr}, conv_pw{nullptr};
   BatchNorm2d bn1{nullptr}, bn2{nullptr};
   SqueezeExcite se{nullptr};
@@ -177,7 +175,7 @@ struct DepthwiseSeparableImpl : EffBlockImpl {
     conv_pw = register_module("conv_pw", Conv(c.in, c.out, 1, 1, 1, false, c.pad));
     bn2 = register_module("bn2", bn(c.out, c.bn_eps));
   }
-  at::Tensor forward(at::Tensor x) override {
+  at::Tensor forward(at::Tensor x) {
     auto shortcut = x;
     x = apply_act(bn1(conv_dw(x)), act, true);
     if (se) x = se(x);
@@ -187,7 +185,7 @@ struct DepthwiseSeparableImpl : EffBlockImpl {
 };
 
 // timm's InvertedResidual (MBConv): pw expansion, dw conv, SE, pw linear projection, residual.
-struct InvertedResidualImpl : EffBlockImpl {
+struct InvertedResidualImpl : torch::nn::Module {
   Conv conv_pw{nullptr}, conv_dw{nullptr}, conv_pwl{nullptr};
   BatchNorm2d bn1{nullptr}, bn2{nullptr}, bn3{nullptr};
   SqueezeExcite se{nullptr};
@@ -204,7 +202,7 @@ struct InvertedResidualImpl : EffBlockImpl {
     conv_pwl = register_module("conv_pwl", Conv(mid, c.out, 1, 1, 1, false, c.pad));
     bn3 = register_module("bn3", bn(c.out, c.bn_eps));
   }
-  at::Tensor forward(at::Tensor x) override {
+  at::Tensor forward(at::Tensor x) {
     auto shortcut = x;
     x = apply_act(bn1(conv_pw(x)), act, true);
     x = apply_act(bn2(conv_dw(x)), act, true);
@@ -214,32 +212,12 @@ struct InvertedResidualImpl : EffBlockImpl {
   }
 };
 
-// timm's ConvBnAct block (MobileNetV3's last stage).
-struct ConvBnActImpl : EffBlockImpl {
-  Conv conv{nullptr};
-  BatchNorm2d bn1{nullptr};
-  Act act;
-  bool has_skip;
-  double dpr;
-  ConvBnActImpl(const BlockCfg& c, int64_t k, bool skip)
-      : act(c.act), has_skip(skip && c.stride == 1 && c.in == c.out), dpr(c.drop_path) {
-    conv = register_module("conv", Conv(c.in, c.out, k, c.stride, 1, false, c.pad));
-    bn1 = register_module("bn1", bn(c.out, c.bn_eps));
-  }
-  at::Tensor forward(at::Tensor x) override {
-    auto shortcut = x;
-    x = apply_act(bn1(conv(x)), act, true);
-    return has_skip ? drop_path(x, dpr, is_training()).add_(shortcut) : x;
-  }
-};
-
 // ---- the model ------------------------------------------------------------------------------
 class EfficientNetImpl : public ClassifierImpl {
  public:
   EfficientNetImpl(const EffSpec& s, const ModelArgs& a)
       : family_(s.family), num_classes_(a.num_classes), drop_rate_(a.drop_rate) {
-    if (a.global_pool != "avg")
-      throw UserError(fmt::format("{}: global_pool '{}' is not implemented (avg is)", s.name, a.global_pool));
+    pool_ = resolve_global_pool(s.name, a.global_pool, "avg", {"avg", "max", "avgmax", "catavgmax"});
     const bool mnv3 = s.family == Family::MobileNetV3;
     const std::string pad = s.tf ? "same" : "";
     const double eps = s.tf ? 1e-3 : 1e-5;
@@ -264,7 +242,7 @@ class EfficientNetImpl : public ClassifierImpl {
     blocks_ = register_module("blocks", torch::nn::ModuleList());
     for (size_t si = 0; si < stages.size(); ++si) {
       torch::nn::ModuleList seq;
-      std::vector<std::shared_ptr<EffBlockImpl>> stage;
+      std::vector<std::function<at::Tensor(at::Tensor)>> stage;
       for (size_t bi = 0; bi < stages[si].size(); ++bi, ++block_idx) {
         const BlockArgs& b = stages[si][bi];
         BlockCfg c{in, round_chs(double(b.out)), bi == 0 ? b.stride : 1, b.act.value_or(act_),
@@ -283,12 +261,11 @@ class EfficientNetImpl : public ClassifierImpl {
             c.se_gate = Act::Sigmoid;
           }
         }
-        std::shared_ptr<EffBlockImpl> blk;
-        if (b.type == "ds") blk = std::make_shared<DepthwiseSeparableImpl>(c, b.kernel, b.noskip);
-        else if (b.type == "ir") blk = std::make_shared<InvertedResidualImpl>(c, mid, b.kernel, b.noskip);
-        else blk = std::make_shared<ConvBnActImpl>(c, b.kernel, b.skip);
-        seq->push_back(blk);
-        stage.push_back(blk);
+        if (b.type == "ds") add(seq, stage, std::make_shared<DepthwiseSeparableImpl>(c, b.kernel, b.noskip));
+        else if (b.type == "ir") add(seq, stage, std::make_shared<InvertedResidualImpl>(c, mid, b.kernel, b.noskip));
+        else  // cn: timm's ConvBnAct block (MobileNetV3's last stage)
+          add(seq, stage, std::make_shared<ConvBnActImpl>(c.in, c.out, b.kernel, c.stride, c.act, c.pad, c.bn_eps,
+                                                          b.skip, c.drop_path));
         in = c.out;
       }
       blocks_->push_back(seq);
@@ -305,30 +282,31 @@ class EfficientNetImpl : public ClassifierImpl {
     if (mnv3) {  // pool, then a 1x1 conv with bias and the activation, then the classifier
       num_features_ = in;
       head_hidden_ = s.arch == &kMobileNetV3Small ? 1024 : 1280;
-      conv_head_ = register_module("conv_head", Conv(in, head_hidden_, 1, 1, 1, true, pad));
+      conv_head_ = register_module("conv_head", Conv(in * pool_feat_mult(pool_), head_hidden_, 1, 1, 1, true, pad));
     } else {
       head_hidden_ = s.family == Family::MobileNetV2 ? std::max<int64_t>(1280, round_chs(1280)) : round_chs(1280);
       conv_head_ = register_module("conv_head", Conv(in, head_hidden_, 1, 1, 1, false, pad));
       bn2_ = register_module("bn2", bn(head_hidden_, eps));
       num_features_ = head_hidden_;
     }
-    if (num_classes_ > 0) classifier_ = register_module("classifier", torch::nn::Linear(head_hidden_, num_classes_));
+    const int64_t cls_in = mnv3 ? head_hidden_ : head_hidden_ * pool_feat_mult(pool_);
+    if (num_classes_ > 0) classifier_ = register_module("classifier", torch::nn::Linear(cls_in, num_classes_));
     init_weights_goog(*this);
   }
 
   at::Tensor forward_features(const at::Tensor& in) override {
     auto x = apply_act(bn1_(conv_stem_(in)), act_, true);
     for (auto& stage : stages_)
-      for (auto& b : stage) x = b->forward(x);
+      for (auto& b : stage) x = b(x);
     if (bn2_) x = apply_act(bn2_(conv_head_(x)), act_, true);
     return x;
   }
   at::Tensor forward_head(const at::Tensor& in, bool pre_logits) override {
     at::Tensor x;
     if (family_ == Family::MobileNetV3)
-      x = apply_act(conv_head_(in.mean({2, 3}, /*keepdim=*/true)), act_, true).flatten(1);
+      x = apply_act(conv_head_(global_pool(in, pool_, /*keepdim=*/true)), act_, true).flatten(1);
     else
-      x = in.mean({2, 3});
+      x = global_pool(in, pool_);
     if (drop_rate_ > 0) x = torch::dropout(x, drop_rate_, is_training());
     if (pre_logits || !classifier_) return x;
     return classifier_(x);
@@ -336,6 +314,10 @@ class EfficientNetImpl : public ClassifierImpl {
   int64_t num_classes() const override { return num_classes_; }
   int64_t num_features() const override { return num_features_; }
   std::vector<FeatureInfo> feature_info() const override { return feature_info_; }
+  std::vector<GroupRule> group_matcher() const override {
+    if (family_ == Family::MobileNetV3) return {{0, "^conv_stem|bn1", {}}, {1, R"(^blocks\.(\d+)\.(\d+))", {}}};
+    return {{0, "^conv_stem|bn1", {}}, {1, R"(^blocks\.(\d+)\.(\d+))", {}}, {1, "conv_head|bn2", {99999}}};
+  }
   std::vector<at::Tensor> forward_intermediates(const at::Tensor& in, const std::vector<int64_t>& indices) override {
     auto want = [&](int64_t level) { return std::find(indices.begin(), indices.end(), level) != indices.end(); };
     const int64_t last = indices.empty() ? -1 : *std::max_element(indices.begin(), indices.end());
@@ -343,7 +325,7 @@ class EfficientNetImpl : public ClassifierImpl {
     auto x = apply_act(bn1_(conv_stem_(in)), act_, true);
     if (feature_info_[0].module == "bn1" && want(0)) out.push_back(x);
     for (size_t si = 0; si < stages_.size(); ++si) {
-      for (auto& b : stages_[si]) x = b->forward(x);
+      for (auto& b : stages_[si]) x = b(x);
       const int64_t level = stage_feature_[si];
       if (level >= 0 && want(level)) out.push_back(x);
       if (level >= last) break;
@@ -352,14 +334,22 @@ class EfficientNetImpl : public ClassifierImpl {
   }
 
  private:
+  template <typename B>
+  static void add(torch::nn::ModuleList& list, std::vector<std::function<at::Tensor(at::Tensor)>>& fns,
+                  std::shared_ptr<B> blk) {
+    list->push_back(blk);
+    fns.push_back([blk](at::Tensor x) { return blk->forward(std::move(x)); });
+  }
+
   Family family_;
   int64_t num_classes_, num_features_ = 0, head_hidden_ = 0;
   double drop_rate_;
+  std::string pool_;
   Act act_;
   Conv conv_stem_{nullptr}, conv_head_{nullptr};
   BatchNorm2d bn1_{nullptr}, bn2_{nullptr};
   torch::nn::ModuleList blocks_{nullptr};
-  std::vector<std::vector<std::shared_ptr<EffBlockImpl>>> stages_;
+  std::vector<std::vector<std::function<at::Tensor(at::Tensor)>>> stages_;  // each block's forward
   torch::nn::Linear classifier_{nullptr};
   std::vector<FeatureInfo> feature_info_;
   std::vector<int64_t> stage_feature_;  // feature level ending at each stage, -1 if none

@@ -109,8 +109,7 @@ struct BottleneckImpl : BlockImpl {
 class ResNetImpl : public ClassifierImpl {
  public:
   ResNetImpl(const ResNetSpec& spec, const ModelArgs& a) : num_classes_(a.num_classes), drop_rate_(a.drop_rate) {
-    if (a.global_pool != "avg")
-      throw std::invalid_argument("resnet: only global_pool='avg' is implemented, got '" + a.global_pool + "'");
+    pool_ = resolve_global_pool(spec.name, a.global_pool, "avg", {"avg", "max", "avgmax", "catavgmax"});
     const int64_t stem_width = 32;
     int64_t inplanes = spec.deep_stem ? stem_width * 2 : 64;
     if (spec.deep_stem) {
@@ -168,7 +167,8 @@ class ResNetImpl : public ClassifierImpl {
       feature_info_.push_back({inplanes, int64_t(4) << stage, "layer" + std::to_string(stage + 1)});
     }
     num_features_ = inplanes;
-    if (num_classes_ > 0) fc_ = register_module("fc", torch::nn::Linear(num_features_, num_classes_));
+    if (num_classes_ > 0)
+      fc_ = register_module("fc", torch::nn::Linear(num_features_ * pool_feat_mult(pool_), num_classes_));
     init_weights();
   }
 
@@ -179,6 +179,9 @@ class ResNetImpl : public ClassifierImpl {
     return x;
   }
   std::vector<FeatureInfo> feature_info() const override { return feature_info_; }
+  std::vector<GroupRule> group_matcher() const override {
+    return {{0, "^conv1|bn1|maxpool", {}}, {1, R"(^layer(\d+)\.(\d+))", {}}};
+  }
   std::vector<at::Tensor> forward_intermediates(const at::Tensor& in, const std::vector<int64_t>& indices) override {
     std::vector<at::Tensor> out;
     auto want = [&](int64_t level) { return std::find(indices.begin(), indices.end(), level) != indices.end(); };
@@ -193,7 +196,7 @@ class ResNetImpl : public ClassifierImpl {
     return out;
   }
   at::Tensor forward_head(const at::Tensor& in, bool pre_logits) override {
-    auto x = in.mean({2, 3});
+    auto x = global_pool(in, pool_);
     if (drop_rate_ > 0) x = torch::dropout(x, drop_rate_, is_training());
     if (pre_logits || !fc_) return x;
     return fc_(x);
@@ -212,6 +215,7 @@ class ResNetImpl : public ClassifierImpl {
 
   int64_t num_classes_, num_features_ = 0;
   double drop_rate_;
+  std::string pool_;
   Conv2d conv1_{nullptr};
   torch::nn::Sequential stem_{nullptr};
   BatchNorm2d bn1_{nullptr};

@@ -92,8 +92,7 @@ class VisionTransformerImpl : public ClassifierImpl {
  public:
   VisionTransformerImpl(const VitSpec& s, const ModelArgs& a)
       : spec_(s), num_classes_(a.num_classes), drop_rate_(a.drop_rate) {
-    if (a.global_pool != "avg" && a.global_pool != "token")
-      throw UserError(fmt::format("{}: global_pool '{}' is not implemented (token is)", s.name, a.global_pool));
+    pool_ = resolve_global_pool(s.name, a.global_pool, "token", {"token", "avg"});
     img_size_ = a.img_size > 0 ? a.img_size : 224;
     if (img_size_ % s.patch)
       throw UserError(fmt::format("--img-size {}: {} needs a multiple of its patch size {}", img_size_, s.name, s.patch));
@@ -106,7 +105,8 @@ class VisionTransformerImpl : public ClassifierImpl {
       double dpr = s.depth > 1 ? a.drop_path_rate * double(i) / double(s.depth - 1) : 0.0;  // linspace(0, rate)
       blocks_->push_back(std::to_string(i), Block(s.dim, s.heads, dpr));
     }
-    norm_ = register_module("norm", LayerNorm(LayerNormOptions({s.dim}).eps(1e-6)));
+    // timm: with avg pooling the final norm moves after the pool (fc_norm) and `norm` is Identity
+    norm_ = register_module(pool_ == "avg" ? "fc_norm" : "norm", LayerNorm(LayerNormOptions({s.dim}).eps(1e-6)));
     if (num_classes_ > 0) head_ = register_module("head", Linear(s.dim, num_classes_));
     init_weights();
   }
@@ -115,10 +115,11 @@ class VisionTransformerImpl : public ClassifierImpl {
     auto x = patch_embed_(in);
     x = torch::cat({cls_token_.expand({x.size(0), -1, -1}), x}, 1) + pos_embed_;
     x = blocks_->forward(x);
-    return norm_(x);
+    return pool_ == "avg" ? x : norm_(x);
   }
   at::Tensor forward_head(const at::Tensor& in, bool pre_logits) override {
-    auto x = in.select(1, 0);  // class token
+    // the class token, or (timm's 'avg') the mean of the patch tokens
+    auto x = pool_ == "avg" ? norm_(in.slice(1, 1).mean(1)) : in.select(1, 0);
     if (drop_rate_ > 0) x = torch::dropout(x, drop_rate_, is_training());
     if (pre_logits || !head_) return x;
     return head_(x);
@@ -126,6 +127,11 @@ class VisionTransformerImpl : public ClassifierImpl {
   int64_t num_classes() const override { return num_classes_; }
   int64_t num_features() const override { return spec_.dim; }
   std::set<std::string> no_weight_decay() const override { return {"pos_embed", "cls_token"}; }
+  std::vector<GroupRule> group_matcher() const override {
+    return {{0, "^cls_token|reg_token|pos_embed|patch_embed|norm_pre", {}},
+            {1, R"(^blocks\.(\d+))", {}},
+            {1, "^norm", {99999}}};
+  }
   std::vector<FeatureInfo> feature_info() const override {
     std::vector<FeatureInfo> v;
     for (int64_t i = 0; i < spec_.depth; ++i) v.push_back({spec_.dim, spec_.patch, "blocks." + std::to_string(i)});
@@ -165,6 +171,7 @@ class VisionTransformerImpl : public ClassifierImpl {
   const VitSpec& spec_;
   int64_t num_classes_, img_size_ = 224;
   double drop_rate_;
+  std::string pool_;
   at::Tensor cls_token_, pos_embed_;
   PatchEmbed patch_embed_{nullptr};
   torch::nn::Sequential blocks_{nullptr};

@@ -92,6 +92,7 @@ int export_weights(const std::vector<std::string>& args) {
     if (auto n = st.metadata.find("num_classes"); n != st.metadata.end()) margs.num_classes = std::stoll(n->second);
     if (auto c = st.metadata.find("in_chans"); c != st.metadata.end()) margs.in_chans = std::stoll(c->second);
     if (auto i = st.metadata.find("img_size"); i != st.metadata.end()) margs.img_size = std::stoll(i->second);
+    if (auto g = st.metadata.find("global_pool"); g != st.metadata.end()) margs.global_pool = g->second;
     auto model = model_zoo::create_model(arch->second, margs);
     io::load_state_dict(*model, st, prefix, ckpt);
   }

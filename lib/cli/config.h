@@ -20,6 +20,7 @@ struct Config {
   std::optional<int64_t> num_classes;
   std::optional<int64_t> img_size;
   std::optional<int64_t> in_chans;
+  std::string gp;  // global pool type, "" = the model's default
   std::optional<double> crop_pct;
   std::string interpolation;
   int64_t batch_size = 128;
@@ -36,6 +37,9 @@ struct Config {
   double momentum = 0.9;
   double weight_decay = 2e-5;
   std::optional<double> opt_eps;
+  std::optional<double> layer_decay;
+  std::optional<double> bn_momentum, bn_eps;
+  int64_t recovery_interval = 0;
   std::vector<double> opt_betas;  // empty: the optimizer's defaults
   std::optional<double> clip_grad;
   std::string clip_mode = "norm";
@@ -50,7 +54,13 @@ struct Config {
   double min_lr = 0.0;
   int64_t epochs = 300;
   std::optional<int64_t> start_epoch;
-  int64_t decay_epochs = 90;
+  double decay_epochs = 90;
+  int64_t patience_epochs = 10;
+  bool sched_on_updates = false;
+  double lr_cycle_mul = 1.0;
+  double lr_cycle_decay = 0.5;
+  int64_t lr_cycle_limit = 1;
+  double lr_k_decay = 1.0;
   std::vector<double> decay_milestones{90, 180, 270};
   int64_t warmup_epochs = 5;
   bool warmup_prefix = false;

@@ -30,7 +30,7 @@ struct ModelArgs {
   int64_t in_chans = 3;
   double drop_rate = 0.0;
   double drop_path_rate = 0.0;
-  std::string global_pool = "avg";
+  std::string global_pool;  // timm's --gp: "" = the model's default (avg for CNNs, token for ViT)
   int64_t img_size = 0;  // for models whose shapes depend on it (ViT position embeddings); 0 = default
 };
 
@@ -42,6 +42,16 @@ struct FeatureInfo {
   std::string module;
 };
 
+// One rule of timm's group_matcher (fine-grained, coarse=False): parameters whose name matches
+// `regex` at its start belong to group `ordinal`, sub-ordered by the regex's numeric captures and
+// then `suffix` ({99999} = merge into the previous group, timm's MATCH_PREV_GROUP). Layer-wise
+// lr decay numbers the layers by sorting these keys.
+struct GroupRule {
+  int ordinal;
+  std::string regex;
+  std::vector<double> suffix;
+};
+
 class ClassifierImpl : public torch::nn::Module {
  public:
   virtual at::Tensor forward_features(const at::Tensor& x) = 0;
@@ -51,6 +61,8 @@ class ClassifierImpl : public torch::nn::Module {
   virtual int64_t num_features() const = 0;
   // Parameters excluded from weight decay beyond timm's 1-D rule (timm's model.no_weight_decay()).
   virtual std::set<std::string> no_weight_decay() const { return {}; }
+  // timm's group_matcher(coarse=False), for --layer-decay.
+  virtual std::vector<GroupRule> group_matcher() const { return {}; }
   // The features API (timm's features_only models, the detection backbone): every level the
   // model can return, and the NCHW maps of the levels in `indices` (indices into feature_info(),
   // ascending), computed with one pass through the trunk. Every zoo model implements both; the

@@ -27,7 +27,7 @@ void Loader::stop_workers() {
   threads_.clear();
 }
 
-void Loader::start_epoch(int64_t epoch) {
+void Loader::start_epoch(int64_t epoch, size_t first_batch) {
   stop_workers();
   epoch_ = epoch;
   const int64_t n = int64_t(ds_->size());
@@ -40,8 +40,8 @@ void Loader::start_epoch(int64_t epoch) {
     order_.resize(size_t(n));
     for (int64_t i = 0; i < n; ++i) order_[size_t(i)] = i;
   }
-  next_batch_ = 0;
-  next_to_make_ = 0;
+  next_batch_ = std::min(first_batch, num_batches_);
+  next_to_make_ = next_batch_;
   skipped_epoch_ = 0;
   ready_.clear();
   worker_error_.reset();

@@ -41,8 +41,9 @@ class Loader {
   Loader(const Loader&) = delete;
   Loader& operator=(const Loader&) = delete;
 
-  // Fixes the epoch's sample order (torch's randperm seeded with seed + epoch when shuffling).
-  void start_epoch(int64_t epoch);
+  // Fixes the epoch's sample order (torch's randperm seeded with seed + epoch when shuffling);
+  // `first_batch` > 0 starts the epoch there (resuming mid-epoch) without loading what precedes.
+  void start_epoch(int64_t epoch, size_t first_batch = 0);
   // The next batch of this epoch in order, or nullopt at the end.
   std::optional<Batch> next();
   size_t num_batches() const { return num_batches_; }

@@ -66,4 +66,39 @@ void LossScaler::load_state(const std::map<std::string, at::Tensor>& st) {
   if (auto it = st.find("growth_tracker"); it != st.end()) growth_tracker_.copy_(it->second);
 }
 
+MasterWeights::MasterWeights(torch::nn::Module& model, at::ScalarType half) : half_(half) {
+  torch::NoGradGuard ng;
+  for (auto& m : model.modules(/*include_self=*/true)) {
+    if (m->as<torch::nn::BatchNorm2dImpl>()) continue;
+    for (auto& p : m->parameters(/*recurse=*/false)) p.set_data(p.data().to(half));
+    for (auto& b : m->buffers(/*recurse=*/false))
+      if (b.is_floating_point()) b.set_data(b.data().to(half));
+  }
+  for (auto& p : model.named_parameters()) {
+    model_params_.push_back(p.value());
+    // leaves that "require grad" so that optimizers take them, though autograd never runs on them
+    named_.emplace_back(p.key(), p.value().detach().to(torch::kFloat32).clone().requires_grad_(p.value().requires_grad()));
+  }
+}
+
+std::vector<at::Tensor> MasterWeights::masters() const {
+  std::vector<at::Tensor> v;
+  for (auto& [n, t] : named_) v.push_back(t);
+  return v;
+}
+
+void MasterWeights::grads_to_masters() {
+  for (size_t i = 0; i < model_params_.size(); ++i) {
+    auto& g = model_params_[i].mutable_grad();
+    if (!g.defined()) continue;
+    named_[i].second.mutable_grad() = g.to(torch::kFloat32);
+    g = at::Tensor();
+  }
+}
+
+void MasterWeights::masters_to_model() {
+  torch::NoGradGuard ng;
+  for (size_t i = 0; i < model_params_.size(); ++i) model_params_[i].copy_(named_[i].second);
+}
+
 }  // namespace imgtrain::engine

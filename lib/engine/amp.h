@@ -5,6 +5,7 @@
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <c10/core/DeviceType.h>
+#include <torch/nn/module.h>
 
 #include <map>
 #include <string>
@@ -47,6 +48,26 @@ class LossScaler {
   bool dynamic_;
   double growth_, backoff_;
   int64_t interval_;
+};
+
+// apex O2: the model's weights and buffers in half precision except BatchNorm's (kept float32,
+// as apex's keep_batchnorm_fp32), and a float32 master copy of every parameter that the
+// optimizer updates: gradients move to the masters (where they are unscaled and clipped), the
+// step updates the masters, and the model gets the rounded result.
+class MasterWeights {
+ public:
+  MasterWeights(torch::nn::Module& model, at::ScalarType half);
+  // The masters under the model's parameter names (build the optimizer on these).
+  const std::vector<std::pair<std::string, at::Tensor>>& named_masters() const { return named_; }
+  std::vector<at::Tensor> masters() const;
+  void grads_to_masters();  // master.grad = float(model.grad); model grads cleared
+  void masters_to_model();  // model = half(master), after a step
+  at::ScalarType dtype() const { return half_; }
+
+ private:
+  at::ScalarType half_;
+  std::vector<at::Tensor> model_params_;
+  std::vector<std::pair<std::string, at::Tensor>> named_;
 };
 
 }  // namespace imgtrain::engine

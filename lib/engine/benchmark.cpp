@@ -33,6 +33,7 @@ int benchmark(const cli::Config& cfg) {
   margs.num_classes = cfg.num_classes.value_or(d.num_classes);
   margs.in_chans = cfg.in_chans.value_or(3);
   margs.img_size = img;
+  margs.global_pool = cfg.gp;
   const int64_t b = cfg.batch_size;
   log::info("Benchmarking in {} precision. {} layout.", amp.enabled ? "amp" : "float32",
             cfg.channels_last ? "NHWC" : "NCHW");

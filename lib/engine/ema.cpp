@@ -40,11 +40,12 @@ void ModelEma::update(int64_t step) {
   const double w = 1.0 - decay_at(step);
   for (size_t i = 0; i < ema_other_.size(); ++i) ema_other_[i].copy_(model_other_[i]);
   if (model_float_.empty()) return;
-  if (device_ == model_float_.front().device()) {
+  const auto& first = model_float_.front();
+  if (device_ == first.device() && first.scalar_type() == ema_float_.front().scalar_type()) {
     at::_foreach_lerp_(ema_float_, model_float_, w);
-  } else {  // --model-ema-force-cpu
+  } else {  // --model-ema-force-cpu, or an O2 model whose half weights the float32 EMA follows
     std::vector<at::Tensor> src;
-    for (auto& t : model_float_) src.push_back(t.to(device_));
+    for (size_t i = 0; i < model_float_.size(); ++i) src.push_back(model_float_[i].to(device_, ema_float_[i].scalar_type()));
     at::_foreach_lerp_(ema_float_, src, w);
   }
 }

@@ -14,6 +14,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <sstream>
 #include <ctime>
 #include <filesystem>
 #include <fstream>
@@ -107,6 +108,7 @@ EvalMetrics evaluate(ClassifierImpl& model, data::Loader& loader, const Normaliz
                      int64_t log_interval, const std::string& log_suffix, Amp amp, bool validate_style = false) {
   torch::NoGradGuard ng;
   model.eval();
+  const auto in_dtype = model.parameters().front().scalar_type();  // half under O2
   AverageMeter batch_time, losses, top1, top5;
   loader.start_epoch(0);
   const int64_t last_idx = int64_t(loader.num_batches()) - 1;
@@ -117,12 +119,13 @@ EvalMetrics evaluate(ClassifierImpl& model, data::Loader& loader, const Normaliz
       ++batch_idx;
       continue;
     }
-    auto x = norm(b->images, dev);
+    auto x = norm(b->images, dev).to(in_dtype);
     auto y = b->labels.to(dev);
     at::Tensor out, loss;
     {
       AutocastScope autocast(amp.enabled, dev.type(), amp.dtype);
       out = model.forward(x);
+      if (out.scalar_type() != torch::kFloat32 && !amp.enabled) out = out.to(torch::kFloat32);  // O2
       loss = torch::nn::functional::cross_entropy(out, y);
     }
     out = out.to(torch::kFloat32);
@@ -230,10 +233,9 @@ torch::Device resolve_device(const std::string& d) {
 }
 
 Amp resolve_amp(const cli::Config& cfg) {
-  if (cfg.amp_opt_level == "O2")
-    throw UserError("--amp-opt-level O2: not implemented yet (O0 = float32 and O1 = autocast are)");
   Amp a;
-  a.enabled = cfg.amp_opt_level == "O1" || (cfg.amp && cfg.amp_opt_level != "O0");
+  a.o2 = cfg.amp_opt_level == "O2";
+  a.enabled = cfg.amp_opt_level == "O1" || (cfg.amp && cfg.amp_opt_level != "O0" && !a.o2);
   a.dtype = cfg.amp_dtype == "bfloat16" ? at::kBFloat16 : at::kHalf;
   return a;
 }
@@ -266,8 +268,9 @@ EpochResult train_one_epoch(ClassifierImpl& model, data::Loader& loader, optim::
                             int64_t& num_updates, const EpochOptions& o) {
   EpochResult res;
   model.train();
-  loader.start_epoch(o.epoch);
   const int64_t n_batches = int64_t(loader.num_batches());
+  const int64_t first_batch = std::min(n_batches, o.start_update * o.accum_steps);
+  loader.start_epoch(o.epoch, size_t(first_batch));
   const int64_t last_accum = n_batches % o.accum_steps;
   const int64_t updates_per_epoch = (n_batches + o.accum_steps - 1) / o.accum_steps;
   const int64_t last_batch_idx_to_accum = n_batches - last_accum;
@@ -275,7 +278,7 @@ EpochResult train_one_epoch(ClassifierImpl& model, data::Loader& loader, optim::
   auto data_start = Clock::now(), update_start = Clock::now();
   int64_t update_samples = 0;
   optimizer.zero_grad();
-  for (int64_t batch_idx = 0; batch_idx < n_batches; ++batch_idx) {
+  for (int64_t batch_idx = first_batch; batch_idx < n_batches; ++batch_idx) {
     auto b = loader.next();
     data_time.update(seconds_since(data_start));
     const bool last_batch = batch_idx == n_batches - 1;
@@ -291,7 +294,9 @@ EpochResult train_one_epoch(ClassifierImpl& model, data::Loader& loader, optim::
         y = data::apply_mixup(x, y, o.mixup, rng);
       }
       at::Tensor loss;
-      {
+      if (o.master) {  // O2: half inputs through the half model, the loss in float32
+        loss = train_loss(model.forward(x.to(o.master->dtype())).to(torch::kFloat32), y, o.loss);
+      } else {
         AutocastScope autocast(o.amp, o.device.type(), o.amp_dtype);
         loss = train_loss(model.forward(x), y, o.loss);
       }
@@ -309,14 +314,19 @@ EpochResult train_one_epoch(ClassifierImpl& model, data::Loader& loader, optim::
       continue;
     }
     bool finite = true;
-    if (o.scaler) finite = o.scaler->unscale(model.parameters());  // before clipping, as GradScaler.unscale_
+    if (o.master) o.master->grads_to_masters();
+    auto params = o.master ? o.master->masters() : model.parameters();
+    if (o.scaler) finite = o.scaler->unscale(params);  // before clipping, as GradScaler.unscale_
     if (o.clip_grad) {
-      auto params = model.parameters();
       if (o.clip_mode == "agc" && params.size() >= 2) params.resize(params.size() - 2);  // timm: head excluded
       clip_gradients(params, *o.clip_grad, o.clip_mode);
     }
-    if (finite) optimizer.step();
-    else ++res.skipped_steps;
+    if (finite) {
+      optimizer.step();
+      if (o.master) o.master->masters_to_model();
+    } else {
+      ++res.skipped_steps;
+    }
     if (o.scaler) o.scaler->update();
     optimizer.zero_grad();
     ++num_updates;
@@ -331,12 +341,29 @@ EpochResult train_one_epoch(ClassifierImpl& model, data::Loader& loader, optim::
                 update_time.avg(), double(update_samples) / update_time.avg(), optimizer.mean_lr(), data_time.val,
                 data_time.avg());
     }
+    if (o.save_recovery && o.recovery_interval && (update_idx + 1) % o.recovery_interval == 0 && !last_batch)
+      o.save_recovery(update_idx);
+    if (o.scheduler)  // timm's lr_scheduler.step_update(num_updates) after the log line
+      if (auto lr = o.scheduler->on_update(num_updates)) optimizer.set_lr(*lr);
     update_samples = 0;
     data_start = Clock::now();
   }
   res.loss = losses.avg();
   return res;
 }
+
+namespace {
+// timm's --bn-momentum / --bn-eps (which timm passes to the model factory, so only families that
+// take them honour it); here they apply to every BatchNorm of any model.
+void apply_bn_args(torch::nn::Module& m, const cli::Config& cfg) {
+  if (!cfg.bn_momentum && !cfg.bn_eps) return;
+  for (auto& mod : m.modules(/*include_self=*/false))
+    if (auto* bn = mod->as<torch::nn::BatchNorm2dImpl>()) {
+      if (cfg.bn_momentum) bn->options.momentum(*cfg.bn_momentum);
+      if (cfg.bn_eps) bn->options.eps(*cfg.bn_eps);
+    }
+}
+}  // namespace
 
 int train(const cli::Config& cfg) {
   require_file(cfg.resume, "--resume");
@@ -348,7 +375,7 @@ int train(const cli::Config& cfg) {
   const DataConfig dc = resolve_data_config(cfg, defaults);
   const Amp amp = resolve_amp(cfg);
   std::unique_ptr<LossScaler> scaler;
-  if (amp.enabled && amp.dtype == at::kHalf)
+  if ((amp.enabled || amp.o2) && amp.dtype == at::kHalf)
     scaler = std::make_unique<LossScaler>(cfg.loss_scale.value_or(65536.0), !cfg.loss_scale, device);
 
   auto train_ds = data::create_dataset(cfg.dataset, cfg.data_dir, cfg.train_split);
@@ -369,13 +396,16 @@ int train(const cli::Config& cfg) {
   margs.drop_rate = cfg.drop;
   margs.drop_path_rate = cfg.drop_path.value_or(0.0);
   margs.img_size = dc.img_size;
+  margs.global_pool = cfg.gp;
   auto model = model_zoo::create_model(cfg.model, margs);
+  apply_bn_args(*model, cfg);
   log::info("Model {} created, param count:{}", cfg.model, model_zoo::count_params(*model));
   load_pretrained_weights(*model, cfg, defaults);
   if (scaler)
-    log::info("Using native Torch AMP. Training in mixed precision ({} loss scaling).",
+    log::info("Using {}. Training in mixed precision ({} loss scaling).",
+              amp.o2 ? "O2: half-precision weights with float32 master weights" : "native Torch AMP",
               cfg.loss_scale ? fmt::format("static {}", *cfg.loss_scale) : std::string("dynamic"));
-  else if (amp.enabled)
+  else if (amp.enabled || amp.o2)
     log::info("Using native Torch AMP. Training in mixed precision (bfloat16, no loss scaling).");
   else
     log::info("AMP not enabled. Training in float32.");
@@ -387,6 +417,8 @@ int train(const cli::Config& cfg) {
   }
   model->to(device);
   if (cfg.channels_last) to_channels_last(*model);
+  std::unique_ptr<MasterWeights> master;
+  if (amp.o2) master = std::make_unique<MasterWeights>(*model, amp.dtype);
 
   data::TransformConfig train_tc;
   train_tc.train = true;
@@ -437,8 +469,13 @@ int train(const cli::Config& cfg) {
   oa.eps = cfg.opt_eps;
   if (cfg.opt_betas.size() == 2) oa.beta1 = cfg.opt_betas[0], oa.beta2 = cfg.opt_betas[1];
   std::vector<std::pair<std::string, at::Tensor>> named;
-  for (auto& p : model->named_parameters()) named.emplace_back(p.key(), p.value());
-  auto optimizer = optim::create_optimizer(oa, named, model->no_weight_decay());
+  if (master) named = master->named_masters();
+  else
+    for (auto& p : model->named_parameters()) named.emplace_back(p.key(), p.value());
+  oa.layer_decay = cfg.layer_decay;
+  if (cfg.layer_decay && model->group_matcher().empty())
+    throw UserError(fmt::format("--layer-decay: {} has no layer grouping", cfg.model));
+  auto optimizer = optim::create_optimizer(oa, named, model->no_weight_decay(), model->group_matcher());
   optim::SchedulerArgs sa;
   sa.sched = cfg.sched;
   sa.base_lr = lr;
@@ -450,10 +487,22 @@ int train(const cli::Config& cfg) {
   sa.decay_rate = cfg.decay_rate;
   sa.warmup_prefix = cfg.warmup_prefix;
   sa.cooldown_epochs = cfg.cooldown_epochs;
+  sa.patience_epochs = cfg.patience_epochs;
+  sa.plateau_max = cfg.eval_metric != "loss";
+  sa.cycle_mul = cfg.lr_cycle_mul;
+  sa.cycle_decay = cfg.lr_cycle_decay;
+  sa.cycle_limit = cfg.lr_cycle_limit;
+  sa.k_decay = cfg.lr_k_decay;
+  sa.on_updates = cfg.sched_on_updates;
+  sa.updates_per_epoch = int64_t((train_loader.num_batches() + size_t(cfg.grad_accum_steps) - 1) /
+                                 size_t(cfg.grad_accum_steps));
   sa.decay_milestones.clear();
   for (double m : cfg.decay_milestones) sa.decay_milestones.push_back(int64_t(m));
   std::sort(sa.decay_milestones.begin(), sa.decay_milestones.end());
-  const optim::Scheduler scheduler(sa);
+  optim::Scheduler scheduler(sa);
+  if (cfg.sched == "plateau" && cfg.sched_on_updates)
+    throw UserError("--sched plateau steps per epoch only (it follows the eval metric); drop --sched-on-updates");
+  optimizer->set_lr(scheduler.initial_lr());
   const int64_t num_epochs = scheduler.num_epochs();
 
   // Output folder, args.yaml, log.
@@ -474,7 +523,9 @@ int train(const cli::Config& cfg) {
 
   const bool decreasing = cfg.eval_metric == "loss";
   CheckpointSaver saver(out_dir, cfg.checkpoint_hist, decreasing);
-  int64_t start_epoch = 0, num_updates = 0;
+  int64_t start_epoch = 0, num_updates = 0, start_update = 0;
+  at::Tensor resume_rng;
+  std::string resume_plateau;
   if (!cfg.resume.empty()) {
     auto st = io::load_safetensors(cfg.resume);
     auto meta = [&](const std::string& k) -> std::string {
@@ -487,6 +538,14 @@ int train(const cli::Config& cfg) {
       throw UserError(fmt::format("--resume '{}': checkpoint is a {}, but --model is {}", cfg.resume, meta("arch"),
                                   cfg.model));
     io::load_state_dict(*model, st, "model.", cfg.resume);
+    if (master) {  // the float32 masters as saved (the model's half weights are their rounding)
+      torch::NoGradGuard ng;
+      for (auto& [k, t] : master->named_masters()) {
+        auto* saved = st.find("master." + k);
+        if (!saved) throw UserError(fmt::format("--resume '{}': no O2 master weights (master.{})", cfg.resume, k));
+        t.copy_(*saved);
+      }
+    }
     if (!cfg.no_resume_opt) {
       std::map<std::string, at::Tensor> ost;
       for (auto& [k, v] : st.tensors)
@@ -499,8 +558,13 @@ int train(const cli::Config& cfg) {
         if (k.rfind("scaler.", 0) == 0) sst[k.substr(7)] = v;
       scaler->load_state(sst);
     }
-    if (auto* rng = st.find("rng.cpu")) { auto g = at::detail::getDefaultCPUGenerator(); g.set_state(*rng); }
+    if (auto* rng = st.find("rng.cpu")) resume_rng = *rng;  // restored last, after anything that draws
     start_epoch = std::stoll(meta("epoch")) + 1;
+    if (auto it = st.metadata.find("recovery_update"); it != st.metadata.end()) {
+      --start_epoch;  // a mid-epoch recovery point: the same epoch, from the next update
+      start_update = std::stoll(it->second) + 1;
+    }
+    if (auto it = st.metadata.find("plateau"); it != st.metadata.end()) resume_plateau = it->second;
     num_updates = std::stoll(meta("num_updates"));
     if (st.metadata.count("best_metric")) {
       saver.best_metric = std::stod(st.metadata["best_metric"]);
@@ -511,7 +575,9 @@ int train(const cli::Config& cfg) {
   std::unique_ptr<ModelEma> ema;
   if (cfg.model_ema) {
     // Created after any resume of the model, as timm does, then given the checkpoint's EMA.
-    ema = std::make_unique<ModelEma>(model_zoo::create_model(cfg.model, margs), *model, cfg.model_ema_decay,
+    auto ema_model = model_zoo::create_model(cfg.model, margs);
+    apply_bn_args(*ema_model, cfg);
+    ema = std::make_unique<ModelEma>(ema_model, *model, cfg.model_ema_decay,
                                      cfg.model_ema_warmup, cfg.model_ema_force_cpu ? torch::kCPU : device);
     if (cfg.channels_last) to_channels_last(ema->module());
     if (!cfg.resume.empty()) {
@@ -520,7 +586,18 @@ int train(const cli::Config& cfg) {
     }
   }
   if (cfg.start_epoch) start_epoch = *cfg.start_epoch;
-  log::info("Scheduled epochs: {}. LR stepped per epoch.", num_epochs);
+  log::info("Scheduled epochs: {}. LR stepped per {}.", num_epochs, cfg.sched_on_updates ? "update" : "epoch");
+  if (start_epoch > 0 && cfg.sched == "plateau" && !resume_plateau.empty()) {
+    optim::Scheduler::PlateauState ps;  // the metric-driven state as the checkpoint left it
+    std::istringstream in(resume_plateau);
+    in >> ps.lr >> ps.best >> ps.num_bad;
+    scheduler.set_plateau_state(ps);
+    optimizer->set_lr(ps.lr);
+  } else if (start_epoch > 0) {  // as timm: position the schedule at the resumed epoch
+    if (auto s = cfg.sched_on_updates ? scheduler.on_update(num_updates)
+                                      : scheduler.on_epoch(start_epoch))
+      optimizer->set_lr(*s);
+  }
 
   const auto fit_start = Clock::now();
   EvalMetrics last_eval;
@@ -549,8 +626,57 @@ int train(const cli::Config& cfg) {
   eo.amp_dtype = amp.dtype;
   eo.scaler = scaler.get();
   eo.channels_last = cfg.channels_last;
+  // One checkpoint file (atomic, safetensors): everything --resume needs to continue exactly.
+  auto write_checkpoint = [&](const std::string& path, int64_t epoch, double metric, double best_metric,
+                              int64_t best_epoch, const optim::Scheduler::PlateauState& plateau,
+                              const std::map<std::string, std::string>& extra) {
+    std::vector<std::pair<std::string, at::Tensor>> tensors;
+    for (auto& [k, v] : io::state_dict(*model)) tensors.emplace_back("model." + k, v);
+    if (ema)
+      for (auto& [k, v] : io::state_dict(ema->module())) tensors.emplace_back("ema." + k, v);
+    for (auto& [k, v] : optimizer->state()) tensors.emplace_back("optim." + k, v);
+    if (master)
+      for (auto& [k, v] : master->named_masters()) tensors.emplace_back("master." + k, v);
+    if (scaler)
+      for (auto& [k, v] : scaler->state()) tensors.emplace_back("scaler." + k, v);
+    tensors.emplace_back("rng.cpu", at::detail::getDefaultCPUGenerator().get_state());
+    std::map<std::string, std::string> md{{"epoch", std::to_string(epoch)},
+                                          {"arch", cfg.model},
+                                          {"args", args_yaml},
+                                          {"metric", fmt::format("{}", metric)},
+                                          {"best_metric", fmt::format("{}", best_metric)},
+                                          {"best_epoch", std::to_string(best_epoch)},
+                                          {"num_updates", std::to_string(num_updates)},
+                                          {"num_classes", std::to_string(num_classes)},
+                                          {"in_chans", std::to_string(dc.in_chans)},
+                                          {"global_pool", cfg.gp},
+                                          {"img_size", std::to_string(dc.img_size)},
+                                          {"crop_pct", fmt::format("{}", dc.crop_pct)},
+                                          {"plateau", fmt::format("{} {} {}", plateau.lr, plateau.best,
+                                                                  plateau.num_bad)},
+                                          {"version", "2"}};
+    for (auto& [k, v] : extra) md[k] = v;
+    io::save_safetensors(path, tensors, md);
+  };
+  // --recovery-interval: mid-epoch checkpoints after every N updates (the previous one removed);
+  // resuming from one continues with the next update of the same epoch.
+  std::string last_recovery;
+  eo.recovery_interval = cfg.recovery_interval;
+  eo.save_recovery = [&](int64_t update_idx) {
+    const std::string path = fmt::format("{}/recovery-{}-{}.safetensors", out_dir, eo.epoch, update_idx);
+    write_checkpoint(path, eo.epoch, saver.best_metric.value_or(0.0), saver.best_metric.value_or(0.0),
+                     saver.best_epoch, scheduler.plateau_state(), {{"recovery_update", std::to_string(update_idx)}});
+    if (!last_recovery.empty() && last_recovery != path) fs::remove(last_recovery, ec);
+    last_recovery = path;
+  };
+  eo.scheduler = &scheduler;
+  eo.master = master.get();
+  if (resume_rng.defined()) {
+    auto g = at::detail::getDefaultCPUGenerator();
+    g.set_state(resume_rng);
+  }
   for (int64_t epoch = start_epoch; epoch < num_epochs; ++epoch) {
-    optimizer->set_lr(scheduler.lr_at(epoch));
+    eo.start_update = epoch == start_epoch ? start_update : 0;
     eo.epoch = epoch;
     eo.mixup_enabled = !(cfg.mixup_off_epoch && epoch >= cfg.mixup_off_epoch);
     const auto res = train_one_epoch(*model, train_loader, *optimizer, ema.get(), num_updates, eo);
@@ -576,31 +702,16 @@ int train(const cli::Config& cfg) {
                        optimizer->mean_lr());
     }
 
+    // timm's lr_scheduler.step(epoch + 1, metric), before the checkpoint so that it holds the
+    // plateau scheduler's state after this epoch's metric.
+    if (auto next = scheduler.on_epoch(epoch + 1, metric)) optimizer->set_lr(*next);
+    const auto plateau = scheduler.plateau_state();
+
     const bool new_best = !saver.best_metric || saver.better(metric, *saver.best_metric);
     const double best_metric = new_best ? metric : *saver.best_metric;
     const int64_t best_epoch = new_best ? epoch : saver.best_epoch;
     saver.save(epoch, metric, [&](const std::string& path) {
-      std::vector<std::pair<std::string, at::Tensor>> tensors;
-      for (auto& [k, v] : io::state_dict(*model)) tensors.emplace_back("model." + k, v);
-      if (ema)
-        for (auto& [k, v] : io::state_dict(ema->module())) tensors.emplace_back("ema." + k, v);
-      for (auto& [k, v] : optimizer->state()) tensors.emplace_back("optim." + k, v);
-      if (scaler)
-        for (auto& [k, v] : scaler->state()) tensors.emplace_back("scaler." + k, v);
-      tensors.emplace_back("rng.cpu", at::detail::getDefaultCPUGenerator().get_state());
-      std::map<std::string, std::string> md{{"epoch", std::to_string(epoch)},
-                                            {"arch", cfg.model},
-                                            {"args", args_yaml},
-                                            {"metric", fmt::format("{}", metric)},
-                                            {"best_metric", fmt::format("{}", best_metric)},
-                                            {"best_epoch", std::to_string(best_epoch)},
-                                            {"num_updates", std::to_string(num_updates)},
-                                            {"num_classes", std::to_string(num_classes)},
-                                            {"in_chans", std::to_string(dc.in_chans)},
-                                            {"img_size", std::to_string(dc.img_size)},
-                                            {"crop_pct", fmt::format("{}", dc.crop_pct)},
-                                            {"version", "2"}};
-      io::save_safetensors(path, tensors, md);
+      write_checkpoint(path, epoch, metric, best_metric, best_epoch, plateau, {});
     });
   }
   if (saver.best_metric) log::info("*** Best metric: {} (epoch {})", *saver.best_metric, saver.best_epoch);
@@ -632,6 +743,7 @@ int validate(const cli::Config& cfg) {
   const auto& defaults = model_zoo::model_defaults(arch);
   cli::Config c = cfg;
   if (!c.in_chans) c.in_chans = meta_int("in_chans");
+  if (auto it = st.metadata.find("global_pool"); c.gp.empty() && it != st.metadata.end()) c.gp = it->second;
   if (!c.img_size) {
     c.img_size = meta_int("img_size");  // a checkpoint's own training size and eval crop
     if (auto it = st.metadata.find("crop_pct"); c.img_size && !c.crop_pct && it != st.metadata.end())
@@ -650,6 +762,7 @@ int validate(const cli::Config& cfg) {
   margs.num_classes = num_classes;
   margs.in_chans = dc.in_chans;
   margs.img_size = dc.img_size;
+  margs.global_pool = c.gp;
   auto model = model_zoo::create_model(arch, margs);
   if (!cfg.checkpoint.empty())
     io::load_state_dict(*model, st, io::weights_prefix(st, cfg.use_ema), cfg.checkpoint);

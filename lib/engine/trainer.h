@@ -11,6 +11,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <functional>
 #include <optional>
 
 namespace imgtrain::engine {
@@ -31,6 +32,11 @@ struct EpochOptions {
   at::ScalarType amp_dtype = at::kHalf;
   LossScaler* scaler = nullptr;  // float16: scale the loss, skip non-finite steps
   bool channels_last = false;
+  const optim::Scheduler* scheduler = nullptr;
+  MasterWeights* master = nullptr;  // O2: the optimizer steps these float32 copies
+  int64_t start_update = 0;         // resume inside the epoch (a recovery checkpoint)
+  int64_t recovery_interval = 0;    // --recovery-interval: save_recovery after every N updates
+  std::function<void(int64_t update_idx)> save_recovery;  // stepped per update when it schedules on updates
 };
 
 struct EpochResult {
@@ -57,7 +63,8 @@ int benchmark(const cli::Config& cfg);
 // --device auto|cpu|cuda|cuda:N, checked against what this machine has.
 torch::Device resolve_device(const std::string& device);
 struct Amp {
-  bool enabled = false;
+  bool enabled = false;  // autocast (O1)
+  bool o2 = false;       // apex O2: half weights, float32 masters (MasterWeights)
   at::ScalarType dtype = at::kHalf;
 };
 // Python's round(v, digits), as timm rounds its result rows.

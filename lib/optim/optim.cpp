@@ -2,7 +2,10 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
+#include <regex>
 
 namespace imgtrain::optim {
 
@@ -24,6 +27,61 @@ std::vector<ParamGroup> weight_decay_groups(const std::vector<std::pair<std::str
   return out;
 }
 
+std::map<std::string, int64_t> layer_ids(const std::vector<std::string>& names, const std::vector<GroupRule>& rules) {
+  constexpr double kPrev = 99999;  // timm's MATCH_PREV_GROUP
+  std::vector<std::regex> compiled;
+  for (auto& r : rules) compiled.emplace_back(r.regex, std::regex::ECMAScript);
+  std::map<std::vector<double>, std::vector<std::string>> grouping;  // sorted like Python tuples
+  for (auto& n : names) {
+    std::vector<double> key{std::numeric_limits<double>::infinity()};
+    for (size_t i = 0; i < rules.size(); ++i) {
+      std::smatch m;
+      if (!std::regex_search(n, m, compiled[i], std::regex_constants::match_continuous)) continue;
+      key = {double(rules[i].ordinal)};
+      for (size_t g = 1; g < m.size(); ++g)
+        if (m[g].matched) key.push_back(std::stod(m[g].str()));
+      key.insert(key.end(), rules[i].suffix.begin(), rules[i].suffix.end());
+      break;
+    }
+    grouping[key].push_back(n);
+  }
+  std::map<std::string, int64_t> out;
+  int64_t lid = -1;
+  for (auto& [key, members] : grouping) {
+    if (lid < 0 || key.back() != kPrev) ++lid;
+    for (auto& n : members) out[n] = lid;
+  }
+  return out;
+}
+
+std::vector<ParamGroup> layer_decay_groups(const std::vector<std::pair<std::string, at::Tensor>>& named_params,
+                                           double weight_decay, const std::set<std::string>& skip,
+                                           const std::vector<GroupRule>& rules, double layer_decay,
+                                           double min_scale) {
+  std::vector<std::string> names;
+  for (auto& [n, p] : named_params) names.push_back(n);
+  auto ids = layer_ids(names, rules);
+  int64_t layer_max = 0;
+  for (auto& [n, id] : ids) layer_max = std::max(layer_max, id);
+  std::vector<ParamGroup> groups;
+  std::map<std::pair<int64_t, bool>, size_t> index;
+  for (auto& [name, p] : named_params) {
+    if (!p.requires_grad()) continue;
+    const bool no_decay = p.dim() <= 1 || skip.count(name);
+    const int64_t id = ids.count(name) ? ids[name] : layer_max;
+    auto [it, fresh] = index.emplace(std::pair{id, no_decay}, groups.size());
+    if (fresh) {
+      ParamGroup g;
+      g.weight_decay = no_decay ? 0.0 : weight_decay;
+      g.lr_scale = std::max(min_scale, std::pow(layer_decay, double(layer_max - id)));
+      groups.push_back(std::move(g));
+    }
+    groups[it->second].names.push_back(name);
+    groups[it->second].params.push_back(p);
+  }
+  return groups;
+}
+
 void Optimizer::zero_grad() {
   for (auto& g : groups_)
     for (auto& p : g.params)
@@ -37,7 +95,7 @@ double Optimizer::mean_lr() const {
 }
 
 void Optimizer::set_lr(double lr) {
-  for (auto& g : groups_) g.lr = lr;
+  for (auto& g : groups_) g.lr = lr * g.lr_scale;
 }
 
 std::vector<std::pair<std::string, at::Tensor>> Optimizer::state() const {
@@ -161,44 +219,221 @@ class RmspropTF : public Optimizer {
   double alpha_, eps_, momentum_;
 };
 
+// timm's Lamb (bias correction, grad averaging, global gradient-norm clipping at max_grad_norm 1):
+// Adam's update plus L2 decay, scaled per tensor by the trust ratio |w| / |update| (clipped at
+// one for lambc) when the tensor is decayed.
+class Lamb : public Optimizer {
+ public:
+  Lamb(std::vector<ParamGroup> g, double b1, double b2, double eps, bool trust_clip)
+      : b1_(b1), b2_(b2), eps_(eps), trust_clip_(trust_clip) {
+    groups_ = std::move(g);
+  }
+  void step() override {
+    torch::NoGradGuard ng;
+    std::vector<at::Tensor> norms;
+    for (auto& g : groups_)
+      for (auto& p : g.params)
+        if (p.grad().defined()) norms.push_back(p.grad().norm());
+    if (norms.empty()) return;
+    const auto clip = (torch::stack(norms).norm() / max_grad_norm_).clamp_min_(1.0);
+    each_with_grad([&](ParamGroup& g, const std::string& name, at::Tensor& p) {
+      auto& s = state_[name];
+      auto& m = s.buf["exp_avg"];
+      auto& v = s.buf["exp_avg_sq"];
+      if (!m.defined()) m = torch::zeros_like(p);
+      if (!v.defined()) v = torch::zeros_like(p);
+      s.step += 1;
+      auto grad = p.grad() / clip;
+      m.lerp_(grad, 1.0 - b1_);
+      v.mul_(b2_).addcmul_(grad, grad, 1.0 - b2_);
+      const double bc1 = 1.0 - std::pow(b1_, s.step), bc2 = 1.0 - std::pow(b2_, s.step);
+      auto update = (m / bc1).div_((v.sqrt() / std::sqrt(bc2)).add_(eps_));
+      if (g.weight_decay != 0) {
+        update.add_(p, g.weight_decay);
+        auto w = p.norm(), u = update.norm();
+        auto trust = torch::where(w > 0, torch::where(u > 0, w / u, torch::ones_like(w)), torch::ones_like(w));
+        if (trust_clip_) trust = trust.clamp_max(1.0);
+        update.mul_(trust);
+      }
+      p.add_(update, -g.lr);
+    });
+  }
+
+ private:
+  double b1_, b2_, eps_;
+  bool trust_clip_;
+  double max_grad_norm_ = 1.0;
+};
+
+// timm's Lars: for decayed tensors the gradient plus L2 decay is scaled by the trust ratio
+// trust_coeff * |w| / (|g| + wd |w| + eps) (larc: divided by lr and clipped at one), then SGD
+// momentum (nlars: Nesterov).
+class Lars : public Optimizer {
+ public:
+  Lars(std::vector<ParamGroup> g, double momentum, bool nesterov, bool trust_clip)
+      : momentum_(momentum), nesterov_(nesterov), trust_clip_(trust_clip) {
+    groups_ = std::move(g);
+  }
+  void step() override {
+    each_with_grad([&](ParamGroup& g, const std::string& name, at::Tensor& p) {
+      auto d = p.grad();
+      if (g.weight_decay != 0) {
+        auto w = p.norm(), gn = d.norm();
+        auto trust = trust_coeff_ * w / (gn + w * g.weight_decay + eps_);
+        trust = torch::where(w > 0, torch::where(gn > 0, trust, torch::ones_like(w)), torch::ones_like(w));
+        if (trust_clip_) trust = (trust / g.lr).clamp_max(1.0);
+        d = d.add(p, g.weight_decay).mul_(trust);
+      }
+      if (momentum_ != 0) {
+        auto& bufs = state_[name].buf;
+        auto it = bufs.find("momentum_buffer");
+        if (it == bufs.end()) it = bufs.emplace("momentum_buffer", d.clone()).first;
+        else it->second.mul_(momentum_).add_(d);
+        d = nesterov_ ? d.add(it->second, momentum_) : it->second;
+      }
+      p.add_(d, -g.lr);
+    });
+  }
+
+ private:
+  double momentum_;
+  bool nesterov_, trust_clip_;
+  double trust_coeff_ = 0.001, eps_ = 1e-8;
+};
+
+const std::set<std::string>& optimizer_names() {
+  static const std::set<std::string> n = {"sgd",  "nesterov", "momentum", "adam", "adamw", "rmsproptf",
+                                          "lamb", "lambc",    "lars",     "larc", "nlars", "nlarc"};
+  return n;
+}
+
 }  // namespace
+
+bool known_optimizer(const std::string& opt) { return optimizer_names().count(opt) > 0; }
 
 std::unique_ptr<Optimizer> create_optimizer(const OptimizerArgs& a,
                                             const std::vector<std::pair<std::string, at::Tensor>>& named_params,
-                                            const std::set<std::string>& no_weight_decay) {
-  auto groups = weight_decay_groups(named_params, a.weight_decay, no_weight_decay);
-  for (auto& g : groups) g.lr = a.lr;
+                                            const std::set<std::string>& no_weight_decay,
+                                            const std::vector<GroupRule>& group_rules) {
+  auto groups = a.layer_decay ? layer_decay_groups(named_params, a.weight_decay, no_weight_decay, group_rules,
+                                                   *a.layer_decay, a.layer_decay_min_scale)
+                              : weight_decay_groups(named_params, a.weight_decay, no_weight_decay);
+  for (auto& g : groups) g.lr = a.lr * g.lr_scale;
   if (a.opt == "sgd" || a.opt == "nesterov") return std::make_unique<Sgd>(std::move(groups), a.momentum, true);
   if (a.opt == "momentum") return std::make_unique<Sgd>(std::move(groups), a.momentum, false);
   if (a.opt == "adam" || a.opt == "adamw")
     return std::make_unique<AdamW>(std::move(groups), a.beta1, a.beta2, a.eps.value_or(1e-8), a.opt == "adamw");
   if (a.opt == "rmsproptf")
     return std::make_unique<RmspropTF>(std::move(groups), 0.9, a.eps.value_or(1e-10), a.momentum);
+  if (a.opt == "lamb" || a.opt == "lambc")
+    return std::make_unique<Lamb>(std::move(groups), a.beta1, a.beta2, a.eps.value_or(1e-6), a.opt == "lambc");
+  if (a.opt == "lars" || a.opt == "larc" || a.opt == "nlars" || a.opt == "nlarc")
+    return std::make_unique<Lars>(std::move(groups), a.momentum, a.opt[0] == 'n', a.opt.back() == 'c');
   throw std::invalid_argument("unknown optimizer '" + a.opt + "'");
 }
 
-double Scheduler::lr_at(int64_t t) const {
-  if (t < a_.warmup_epochs)
-    return a_.warmup_lr + double(t) * (a_.base_lr - a_.warmup_lr) / double(a_.warmup_epochs);
-  if (a_.warmup_prefix) t -= a_.warmup_epochs;
-  if (a_.sched == "step") return a_.base_lr * std::pow(a_.decay_rate, double(t / a_.decay_epochs));
+Scheduler::Scheduler(SchedulerArgs a) : a_(std::move(a)) {
+  const double u = a_.on_updates ? double(a_.updates_per_epoch) : 1.0;
+  if (a_.on_updates && a_.updates_per_epoch <= 0) throw std::invalid_argument("on_updates needs updates_per_epoch");
+  t_initial_ = double(a_.epochs) * u;
+  warmup_t_ = double(a_.warmup_epochs) * u;
+  decay_t_ = a_.decay_epochs * u;
+  cooldown_t_ = double(a_.cooldown_epochs) * u;
+  for (auto m : a_.decay_milestones) milestones_.push_back(double(m) * u);
+  std::sort(milestones_.begin(), milestones_.end());
+  plateau_.lr = a_.warmup_epochs > 0 ? a_.warmup_lr : a_.base_lr;
+  plateau_.best = a_.plateau_max ? -std::numeric_limits<double>::infinity() : std::numeric_limits<double>::infinity();
+}
+
+double Scheduler::lr_at(int64_t step) const {
+  double t = double(step);
+  if (t < warmup_t_) {
+    // timm's tanh schedule warms up to where its curve is at warmup_t, the others to base_lr
+    const double target = a_.sched == "tanh" && !a_.warmup_prefix ? after_warmup(warmup_t_) : a_.base_lr;
+    return a_.warmup_lr + t * (target - a_.warmup_lr) / warmup_t_;
+  }
+  return after_warmup(t);
+}
+
+double Scheduler::after_warmup(double t) const {
+  if (a_.warmup_prefix) t -= warmup_t_;
+  if (a_.sched == "step") return a_.base_lr * std::pow(a_.decay_rate, std::floor(t / decay_t_));
   if (a_.sched == "multistep") {
     // timm's convention: milestone m applies from t == m - 1 (bisect_right(milestones, t + 1)).
-    int64_t n = std::upper_bound(a_.decay_milestones.begin(), a_.decay_milestones.end(), t + 1) -
-                a_.decay_milestones.begin();
+    auto n = std::upper_bound(milestones_.begin(), milestones_.end(), t + 1) - milestones_.begin();
     return a_.base_lr * std::pow(a_.decay_rate, double(n));
   }
-  // cosine and poly, one cycle (cycle_mul 1, cycle_limit 1, k_decay 1): lr_min after it ends.
-  if (t >= a_.epochs) return a_.min_lr;
-  const double frac = double(t) / double(a_.epochs);
-  if (a_.sched == "poly") return a_.min_lr + (a_.base_lr - a_.min_lr) * std::pow(1.0 - frac, a_.decay_rate);
-  return a_.min_lr + 0.5 * (a_.base_lr - a_.min_lr) * (1.0 + std::cos(M_PI * frac));
+  // cosine, tanh, poly: cycles of t_initial * cycle_mul^i, peak decayed by cycle_decay^i.
+  double i, t_i, t_curr;
+  if (a_.cycle_mul != 1.0) {
+    i = std::floor(std::log(1 - t / t_initial_ * (1 - a_.cycle_mul)) / std::log(a_.cycle_mul));
+    t_i = std::pow(a_.cycle_mul, i) * t_initial_;
+    t_curr = t - (1 - std::pow(a_.cycle_mul, i)) / (1 - a_.cycle_mul) * t_initial_;
+  } else {
+    i = std::floor(t / t_initial_);
+    t_i = t_initial_;
+    t_curr = t - t_initial_ * i;
+  }
+  if (i >= double(a_.cycle_limit)) return a_.min_lr;
+  const double lr_max = a_.base_lr * std::pow(a_.cycle_decay, i);
+  const double k = a_.k_decay;
+  if (a_.sched == "poly")
+    return a_.min_lr + (lr_max - a_.min_lr) * std::pow(1 - std::pow(t_curr, k) / std::pow(t_i, k), a_.decay_rate);
+  if (a_.sched == "tanh") {  // timm's defaults lb -7, ub 3
+    const double tr = t_curr / t_i;
+    return a_.min_lr + 0.5 * (lr_max - a_.min_lr) * (1 - std::tanh(-7.0 * (1.0 - tr) + 3.0 * tr));
+  }
+  return a_.min_lr + 0.5 * (lr_max - a_.min_lr) * (1 + std::cos(M_PI * std::pow(t_curr, k) / std::pow(t_i, k)));
 }
 
 int64_t Scheduler::num_epochs() const {
-  if (a_.sched == "cosine" || a_.sched == "poly")
-    return a_.epochs + (a_.warmup_prefix ? a_.warmup_epochs : 0) + a_.cooldown_epochs;
-  return a_.epochs;
+  if (a_.sched == "cosine" || a_.sched == "tanh" || a_.sched == "poly") {
+    const double cycles = double(std::max<int64_t>(1, a_.cycle_limit));
+    double t = a_.cycle_mul == 1.0 ? t_initial_ * cycles
+                                   : std::floor(-t_initial_ * (std::pow(a_.cycle_mul, cycles) - 1) / (1 - a_.cycle_mul));
+    if (a_.warmup_prefix) t += warmup_t_;
+    t += cooldown_t_;
+    return a_.on_updates ? int64_t(t) / a_.updates_per_epoch : int64_t(t);
+  }
+  return a_.epochs + (a_.warmup_prefix ? a_.warmup_epochs : 0);
+}
+
+double Scheduler::initial_lr() const {
+  if (a_.sched == "plateau") return plateau_.lr;
+  return a_.warmup_epochs > 0 ? a_.warmup_lr : (a_.on_updates ? lr_at(0) : lr_at(0));
+}
+
+std::optional<double> Scheduler::on_epoch(int64_t epoch, std::optional<double> metric) {
+  if (a_.sched == "plateau") {  // timm's PlateauLRScheduler around torch's ReduceLROnPlateau
+    if (epoch <= a_.warmup_epochs) {
+      if (a_.warmup_epochs > 0) plateau_.lr = a_.warmup_lr + double(epoch) * (a_.base_lr - a_.warmup_lr) / double(a_.warmup_epochs);
+      return plateau_.lr;
+    }
+    if (metric) {
+      constexpr double threshold = 1e-4;  // relative
+      const bool better = a_.plateau_max ? *metric > plateau_.best * (1 + threshold)
+                                         : *metric < plateau_.best * (1 - threshold);
+      if (better) {
+        plateau_.best = *metric;
+        plateau_.num_bad = 0;
+      } else {
+        ++plateau_.num_bad;
+      }
+      if (plateau_.num_bad > a_.patience_epochs) {
+        const double lr = std::max(plateau_.lr * a_.decay_rate, a_.min_lr);
+        if (plateau_.lr - lr > 1e-8) plateau_.lr = lr;
+        plateau_.num_bad = 0;
+      }
+    }
+    return plateau_.lr;
+  }
+  if (a_.on_updates) return std::nullopt;
+  return lr_at(epoch);
+}
+
+std::optional<double> Scheduler::on_update(int64_t num_updates) const {
+  if (!a_.on_updates) return std::nullopt;
+  return lr_at(num_updates);
 }
 
 double scaled_lr(double lr_base, int64_t lr_base_size, const std::string& scale, const std::string& opt,

@@ -1,6 +1,8 @@
 // Optimizers and learning-rate schedules with timm's semantics.
 // Optimizers keep their state by parameter name so checkpoints store it as named tensors.
 #pragma once
+#include "core/model.h"
+
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
@@ -19,6 +21,7 @@ struct ParamGroup {
   std::vector<at::Tensor> params;
   double weight_decay = 0.0;
   double lr = 0.0;
+  double lr_scale = 1.0;  // layer-wise lr decay: the group's lr is the schedule's lr times this
 };
 
 // timm's param_groups_weight_decay: no decay for 1-D parameters (norm weights, biases), names
@@ -26,6 +29,19 @@ struct ParamGroup {
 // groups (empty groups dropped).
 std::vector<ParamGroup> weight_decay_groups(const std::vector<std::pair<std::string, at::Tensor>>& named_params,
                                             double weight_decay, const std::set<std::string>& skip = {});
+
+// timm's group_parameters(model, model.group_matcher(), reverse=True): each parameter's layer id,
+// numbered by sorting the (ordinal, captured numbers..., suffix) keys of the rules it matches
+// (unmatched parameters sort last; a key ending in 99999 joins the previous layer).
+std::map<std::string, int64_t> layer_ids(const std::vector<std::string>& names, const std::vector<GroupRule>& rules);
+
+// timm's param_groups_layer_decay: groups per (layer, decay / no decay) with lr_scale =
+// max(min_scale, layer_decay ^ (last layer - layer)), in order of first appearance; parameters
+// no rule matches get the last layer (scale 1).
+std::vector<ParamGroup> layer_decay_groups(const std::vector<std::pair<std::string, at::Tensor>>& named_params,
+                                           double weight_decay, const std::set<std::string>& skip,
+                                           const std::vector<GroupRule>& rules, double layer_decay,
+                                           double min_scale = 0.0);
 
 class Optimizer {
  public:
@@ -59,43 +75,78 @@ class Optimizer {
 };
 
 struct OptimizerArgs {
-  std::string opt = "sgd";  // sgd (nesterov), momentum, adam, adamw, rmsproptf
+  // sgd (nesterov), momentum, adam, adamw, rmsproptf, lamb, lambc (trust clipping), lars, larc
+  // (trust clipping), nlars / nlarc (Nesterov)
+  std::string opt = "sgd";
   double lr = 0.1;
   double weight_decay = 0.0;
   double momentum = 0.9;
   std::optional<double> eps;  // unset: the optimizer's own default (1e-8 Adam*, 1e-10 RMSpropTF)
   double beta1 = 0.9, beta2 = 0.999;
+  std::optional<double> layer_decay;  // timm's --layer-decay (needs the model's group rules)
+  double layer_decay_min_scale = 0.0;
 };
 
 std::unique_ptr<Optimizer> create_optimizer(const OptimizerArgs& a,
                                             const std::vector<std::pair<std::string, at::Tensor>>& named_params,
-                                            const std::set<std::string>& no_weight_decay = {});
+                                            const std::set<std::string>& no_weight_decay = {},
+                                            const std::vector<GroupRule>& group_rules = {});
+// Whether `opt` names an optimizer create_optimizer knows.
+bool known_optimizer(const std::string& opt);
 
-// timm's epoch-based schedulers: lr(t) for t = epoch index, with linear warmup from warmup_lr.
+// timm's schedulers (create_scheduler_v2): lr(t) with t in epochs, or in optimizer updates with
+// --sched-on-updates (every length then multiplied by the updates per epoch), linear warmup from
+// warmup_lr, cycles (cycle_mul, cycle_decay, cycle_limit) and k-decay for cosine/tanh/poly.
 struct SchedulerArgs {
-  std::string sched = "cosine";  // cosine | step | multistep | poly
+  std::string sched = "cosine";  // cosine | tanh | step | multistep | plateau | poly
   double base_lr = 0.1;
-  int64_t epochs = 300;          // cycle length t_initial (cosine, poly)
+  int64_t epochs = 300;          // cycle length t_initial (cosine, tanh, poly)
   int64_t warmup_epochs = 0;
   double warmup_lr = 1e-5;
   bool warmup_prefix = false;    // warmup not counted in `epochs`
-  int64_t cooldown_epochs = 0;   // at min_lr after the cycle
+  int64_t cooldown_epochs = 0;   // at min_lr after the cycles
   double min_lr = 0.0;
-  int64_t decay_epochs = 90;     // step
+  double decay_epochs = 90;      // step
   std::vector<int64_t> decay_milestones{90, 180, 270};  // multistep
-  double decay_rate = 0.1;       // step / multistep factor, poly power
+  double decay_rate = 0.1;       // step / multistep / plateau factor, poly power
+  int64_t patience_epochs = 10;  // plateau
+  bool plateau_max = true;       // plateau: a larger metric is better (false for --eval-metric loss)
+  double cycle_mul = 1.0, cycle_decay = 0.5, k_decay = 1.0;
+  int64_t cycle_limit = 1;
+  bool on_updates = false;       // --sched-on-updates
+  int64_t updates_per_epoch = 0;
 };
 
 class Scheduler {
  public:
-  explicit Scheduler(SchedulerArgs a) : a_(std::move(a)) {}
-  double lr_at(int64_t epoch) const;
-  // Epochs to train, as timm's create_scheduler returns them: the cycle (+ warmup when it is a
-  // prefix) + cooldown for cosine and poly, `epochs` for the others.
+  explicit Scheduler(SchedulerArgs a);
+  // The lr at t (epochs, or updates with on_updates); not for plateau, whose lr depends on metrics.
+  double lr_at(int64_t t) const;
+  // Epochs to train, as timm's create_scheduler_v2 returns them (cycles, warmup prefix, cooldown).
   int64_t num_epochs() const;
+  bool on_updates() const { return a_.on_updates; }
+  const SchedulerArgs& args() const { return a_; }
+  // timm's scheduler.step(epoch, metric) at the start of `epoch` (the previous epoch's metric):
+  // the lr to use from now, or nullopt to keep the current one (per-update schedules).
+  std::optional<double> on_epoch(int64_t epoch, std::optional<double> metric = std::nullopt);
+  // timm's step_update(num_updates): the lr after that many updates, or nullopt (per-epoch schedules).
+  std::optional<double> on_update(int64_t num_updates) const;
+  // The lr before any step (timm sets warmup_lr at construction when warming up).
+  double initial_lr() const;
+  // ReduceLROnPlateau's state, saved in checkpoints so a resumed plateau run continues exactly.
+  struct PlateauState {
+    double lr = 0, best = 0;
+    int64_t num_bad = 0;
+  };
+  PlateauState plateau_state() const { return plateau_; }
+  void set_plateau_state(const PlateauState& s) { plateau_ = s; }
 
  private:
+  double after_warmup(double t) const;
   SchedulerArgs a_;
+  double t_initial_, warmup_t_, decay_t_, cooldown_t_;
+  std::vector<double> milestones_;
+  PlateauState plateau_;
 };
 
 // timm's --lr unset rule: lr = lr_base * (global_batch / lr_base_size), or its sqrt for

@@ -1,6 +1,10 @@
 #include "model_zoo/layers/layers.h"
 
+#include "core/error.h"
+
 #include <torch/torch.h>
+
+#include <algorithm>
 
 #include <cfenv>
 #include <cmath>
@@ -79,6 +83,19 @@ at::Tensor ConvImpl::forward(const at::Tensor& x) {
   return torch::nn::Conv2dImpl::forward(padded);
 }
 
+ConvBnActImpl::ConvBnActImpl(int64_t in, int64_t out, int64_t k, int64_t stride, Act act_, const std::string& pad_type,
+                             double bn_eps, bool skip, double drop_path_rate)
+    : act(act_), has_skip(skip && stride == 1 && in == out), dpr(drop_path_rate) {
+  conv = register_module("conv", Conv(in, out, k, stride, 1, false, pad_type));
+  bn1 = register_module("bn1", torch::nn::BatchNorm2d(torch::nn::BatchNormOptions(out).eps(bn_eps)));
+}
+
+at::Tensor ConvBnActImpl::forward(at::Tensor x) {
+  auto shortcut = x;
+  x = apply_act(bn1(conv(x)), act, true);
+  return has_skip ? drop_path(x, dpr, is_training()).add_(shortcut) : x;
+}
+
 SqueezeExciteImpl::SqueezeExciteImpl(int64_t channels, int64_t reduced, Act act_, Act gate_) : act(act_), gate(gate_) {
   conv_reduce = register_module("conv_reduce", torch::nn::Conv2d(torch::nn::Conv2dOptions(channels, reduced, 1)));
   conv_expand = register_module("conv_expand", torch::nn::Conv2d(torch::nn::Conv2dOptions(reduced, channels, 1)));
@@ -94,6 +111,28 @@ LayerNorm2dImpl::LayerNorm2dImpl(int64_t channels, double eps)
 
 at::Tensor LayerNorm2dImpl::forward(const at::Tensor& x) {
   return torch::nn::LayerNormImpl::forward(x.permute({0, 2, 3, 1})).permute({0, 3, 1, 2});
+}
+
+at::Tensor global_pool(const at::Tensor& x, const std::string& type, bool keepdim) {
+  if (type == "avg") return x.mean({2, 3}, keepdim);
+  auto mx = x.amax({2, 3}, keepdim);
+  if (type == "max") return mx;
+  auto avg = x.mean({2, 3}, keepdim);
+  if (type == "avgmax") return (avg + mx) * 0.5;
+  return torch::cat({avg, mx}, 1);  // catavgmax
+}
+
+int64_t pool_feat_mult(const std::string& type) { return type == "catavgmax" ? 2 : 1; }
+
+std::string resolve_global_pool(const std::string& model, const std::string& requested, const std::string& dflt,
+                                const std::vector<std::string>& supported) {
+  const std::string t = requested.empty() ? dflt : requested;
+  if (std::find(supported.begin(), supported.end(), t) == supported.end()) {
+    std::string list;
+    for (auto& s : supported) list += (list.empty() ? "" : ", ") + s;
+    throw UserError(fmt::format("--gp '{}': {} supports {}", t, model, list));
+  }
+  return t;
 }
 
 void init_weights_goog(torch::nn::Module& root) {

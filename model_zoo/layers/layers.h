@@ -3,11 +3,13 @@
 // TF 'same'), squeeze-and-excite, and layer norm over the channels of NCHW tensors.
 #pragma once
 #include <torch/nn/module.h>
+#include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/conv.h>
 #include <torch/nn/modules/normalization.h>
 #include <torch/nn/pimpl.h>
 
 #include <string>
+#include <vector>
 
 namespace imgtrain::model_zoo {
 
@@ -41,6 +43,20 @@ struct ConvImpl : torch::nn::Conv2dImpl {
 };
 TORCH_MODULE(Conv);
 
+// Convolution, BatchNorm, activation (timm's ConvBnAct block: modules conv, bn1), with a residual
+// when `skip` is asked and the shapes allow it.
+struct ConvBnActImpl : torch::nn::Module {
+  ConvBnActImpl(int64_t in, int64_t out, int64_t k, int64_t stride, Act act, const std::string& pad_type = "",
+                double bn_eps = 1e-5, bool skip = false, double drop_path_rate = 0.0);
+  at::Tensor forward(at::Tensor x);
+  Conv conv{nullptr};
+  torch::nn::BatchNorm2d bn1{nullptr};
+  Act act;
+  bool has_skip;
+  double dpr;
+};
+TORCH_MODULE(ConvBnAct);
+
 // Squeeze-and-excite as timm's _efficientnet_blocks.SqueezeExcite: mean over H, W, 1x1 reduce,
 // activation, 1x1 expand, gate (sigmoid or hard sigmoid); modules conv_reduce, conv_expand.
 struct SqueezeExciteImpl : torch::nn::Module {
@@ -57,6 +73,14 @@ struct LayerNorm2dImpl : torch::nn::LayerNormImpl {
   at::Tensor forward(const at::Tensor& x);
 };
 TORCH_MODULE(LayerNorm2d);
+
+// timm's SelectAdaptivePool2d: global pooling over H and W by name — avg, max, avgmax (their
+// mean) or catavgmax (both, concatenated: twice the channels) — to B x C (x 1 x 1 with keepdim).
+at::Tensor global_pool(const at::Tensor& x, const std::string& type, bool keepdim = false);
+int64_t pool_feat_mult(const std::string& type);
+// The model's pool type: `requested` ("" = the model's default), checked against what it supports.
+std::string resolve_global_pool(const std::string& model, const std::string& requested, const std::string& dflt,
+                                const std::vector<std::string>& supported);
 
 // timm's efficientnet_init_weights (_init_weight_goog, fix_group_fanout): convolutions
 // normal(0, sqrt(2 / fan_out)) with fan_out = k*k*out/groups, BatchNorm ones/zeros, Linear

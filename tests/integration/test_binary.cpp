@@ -234,9 +234,27 @@ TEST_CASE("mixed precision: float16 with a loss scaler, bfloat16 without", "[int
   INFO(b.output);
   CHECK(b.code == 0);
   CHECK_THAT(b.output, Catch::Contains("bfloat16, no loss scaling"));
-  expect_user_error(test::run(kBin + " train --data-dir " + data + kSmallArgs + " --amp-opt-level O2 --output " +
-                              out.path.string()),
-                    "O2: not implemented yet");
+  // apex O2 (bfloat16 on the CPU): half weights, float32 BatchNorm and masters in the checkpoint,
+  // and it resumes and validates
+  const std::string o2 = " train --data-dir " + data + kSmallArgs + " --amp-opt-level O2 --amp-dtype bfloat16 " +
+                         "--output " + out.path.string() + " --experiment o2";
+  auto c = test::run(kBin + o2 + " --epochs 1");
+  INFO(c.output);
+  REQUIRE(c.code == 0);
+  CHECK_THAT(c.output, Catch::Contains("bfloat16, no loss scaling"));
+  auto so = io::load_safetensors(out / "o2/last.safetensors");
+  CHECK(so.find("model.conv1.weight")->scalar_type() == at::kBFloat16);
+  CHECK(so.find("model.bn1.weight")->scalar_type() == at::kFloat);
+  CHECK(so.find("master.conv1.weight")->scalar_type() == at::kFloat);
+  CHECK(torch::equal(*so.find("model.conv1.weight"), so.find("master.conv1.weight")->to(at::kBFloat16)));
+  auto c2 = test::run(kBin + o2 + " --epochs 2 --resume " + (out / "o2/last.safetensors"));
+  INFO(c2.output);
+  CHECK(c2.code == 0);
+  CHECK_THAT(c2.output, Catch::Contains("Train: 1 ["));
+  auto v = test::run(kBin + " validate --data-dir " + data + " --split val --checkpoint " +
+                     (out / "o2/last.safetensors") + " -b 50 --device cpu");
+  INFO(v.output);
+  CHECK(v.code == 0);
 }
 
 TEST_CASE("mixup, cutmix and BCE loss train end to end", "[integration]") {
@@ -387,4 +405,73 @@ TEST_CASE("each family trains, exports, and timm reproduces the outputs from the
     REQUIRE(py.code == 0);
     CHECK((*io::load_safetensors(out / "y.safetensors").find("y") - y).abs().max().item<double>() < 1e-4);
   }
+}
+
+namespace {
+// Every tensor of the two checkpoints' model/EMA/optimizer state is bitwise equal.
+void expect_same_state(const fs::path& a, const fs::path& b) {
+  auto sa = io::load_safetensors(a), sb = io::load_safetensors(b);
+  size_t n = 0;
+  for (auto& [k, v] : sa.tensors) {
+    if (k.rfind("model.", 0) && k.rfind("ema.", 0) && k.rfind("optim.", 0)) continue;
+    INFO(k);
+    auto* w = sb.find(k);
+    REQUIRE(w != nullptr);
+    CHECK(torch::equal(v, *w));
+    ++n;
+  }
+  CHECK(n > 100);
+}
+}  // namespace
+
+TEST_CASE("resume is exact: 2 epochs straight equal 1 + resume + 1, and a mid-epoch recovery point", "[integration]") {
+  auto data = fmnist_folder(200, 100);
+  test::TempDir out("exact");
+  const std::string args = " train --data-dir " + data + kSmallArgs + " -b 20 --model-ema --model-ema-decay 0.9 " +
+                           "--drop-path 0.1 --mixup 0.2 --opt adamw --lr 1e-3 --sched-on-updates --warmup-epochs 1 " +
+                           "--output " + out.path.string();
+  auto a = test::run(kBin + args + " --epochs 2 --recovery-interval 3 --experiment straight");
+  INFO(a.output);
+  REQUIRE(a.code == 0);
+  auto b = test::run(kBin + args + " --epochs 1 --experiment split");
+  REQUIRE(b.code == 0);
+  auto c = test::run(kBin + args + " --epochs 2 --experiment split --resume " + (out / "split/last.safetensors"));
+  INFO(c.output);
+  REQUIRE(c.code == 0);
+  expect_same_state(out / "straight/last.safetensors", out / "split/last.safetensors");
+  // 10 updates per epoch, recovery after updates 2, 5 and 8 of each epoch: epoch 1's last one remains
+  REQUIRE(fs::exists(out / "straight/recovery-1-8.safetensors"));
+  CHECK_FALSE(fs::exists(out / "straight/recovery-1-5.safetensors"));
+  auto r = test::run(kBin + args + " --epochs 2 --experiment rec --resume " +
+                     (out / "straight/recovery-1-8.safetensors"));
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK_THAT(r.output, Catch::Contains("Train: 1 [   9/10"));
+  CHECK_THAT(r.output, !Catch::Contains("Train: 1 [   0/10"));
+  expect_same_state(out / "straight/last.safetensors", out / "rec/last.safetensors");
+}
+
+TEST_CASE("kill -9 mid-epoch, then resume from the recovery checkpoint and finish", "[integration]") {
+  auto data = fmnist_folder(200, 100);
+  test::TempDir out("kill");
+  const std::string args = " train --data-dir " + data + kSmallArgs + " -b 25 --epochs 3 --recovery-interval 2 " +
+                           "--output " + out.path.string() + " --experiment k";
+  // Start training, wait for the first recovery file, kill -9, resume from the newest file.
+  const std::string dir = out / "k";
+  auto killed = test::run("(" + kBin + args + " > " + out.path.string() + "/first.log 2>&1 & echo $! > " +
+                          out.path.string() + "/pid); for i in $(seq 600); do ls " + dir +
+                          "/recovery-*.safetensors >/dev/null 2>&1 && break; sleep 0.1; done; kill -9 $(cat " +
+                          out.path.string() + "/pid); sleep 0.5; ls " + dir);
+  INFO(killed.output);
+  std::string newest;
+  for (auto& e : fs::directory_iterator(dir))
+    if (e.path().filename().string().rfind("recovery-", 0) == 0 && e.path().extension() == ".safetensors")
+      newest = e.path().string();
+  REQUIRE_FALSE(newest.empty());
+  auto r = test::run(kBin + args + " --resume " + newest);
+  INFO(r.output);
+  CHECK(r.code == 0);
+  CHECK_THAT(r.output, Catch::Contains("Resumed from checkpoint") && Catch::Contains("*** Best metric"));
+  auto st = io::load_safetensors(out / "k/last.safetensors");
+  CHECK(st.metadata.at("epoch") == "2");
 }

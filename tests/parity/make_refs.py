@@ -55,7 +55,7 @@ def robust_stats(v):
     return [v.mean().item(), v.std().item(), v.numel()]
 
 
-def model_refs(name, train_grads, init_stats, input_size=64, features=True, **kwargs):
+def model_refs(name, train_grads, init_stats, input_size=64, features=True, file=None, **kwargs):
     g = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     model = timm.create_model(name, num_classes=10, **kwargs)
@@ -99,7 +99,7 @@ def model_refs(name, train_grads, init_stats, input_size=64, features=True, **kw
         fresh = timm.create_model(name, **kwargs)
         stats = {k: robust_stats(v) for k, v in fresh.state_dict().items() if v.dtype.is_floating_point}
         meta['init_stats'] = json.dumps(stats)
-    save_file(tensors, os.path.join(out, f'{name}.safetensors'), metadata=meta)
+    save_file(tensors, os.path.join(out, f'{file or name}.safetensors'), metadata=meta)
 
 
 # ViTs at 32 px (2x2 or 1x1 patches) keep the references small; the shapes follow img_size.
@@ -122,6 +122,14 @@ for name in EFFNETS:
 for name in ['convnext_tiny', 'convnext_small']:
     model_refs(name, train_grads=name == 'convnext_tiny', init_stats=name == 'convnext_tiny')
 
+# Global pool types other than the default (--gp): the head's input width and names follow them.
+for name, gp, kw in [('resnet18', 'catavgmax', {}), ('mobilenetv3_small_100', 'avgmax', {}),
+                     ('efficientnet_b0', 'max', {}), ('convnext_tiny', 'max', {}),
+                     ('vit_tiny_patch16_224', 'avg', dict(img_size=32, input_size=32))]:
+    size = kw.pop('input_size', 64)
+    model_refs(name, train_grads=False, init_stats=False, features=False, file=f'{name}-{gp}', global_pool=gp,
+               input_size=size, **kw)
+
 # timm's optimizer factory (parameter groups, defaults) on a tiny module, three steps each.
 from timm.optim import create_optimizer_v2
 g2 = torch.Generator().manual_seed(2)
@@ -131,7 +139,8 @@ fac = {'w0': w0, 'b0': b0}
 for i in range(3):
     fac[f'gw{i}'] = torch.randn(5, 3, generator=g2)
     fac[f'gb{i}'] = torch.randn(5, generator=g2)
-for name, lr in [('sgd', 0.1), ('momentum', 0.1), ('adam', 1e-2), ('adamw', 1e-2), ('rmsproptf', 1e-2)]:
+for name, lr in [('sgd', 0.1), ('momentum', 0.1), ('adam', 1e-2), ('adamw', 1e-2), ('rmsproptf', 1e-2),
+                 ('lamb', 1e-2), ('lambc', 1e-2), ('lars', 0.1), ('larc', 0.1), ('nlars', 0.1)]:
     with torch.no_grad():
         lin.weight.copy_(w0)
         lin.bias.copy_(b0)
@@ -143,6 +152,61 @@ for name, lr in [('sgd', 0.1), ('momentum', 0.1), ('adam', 1e-2), ('adamw', 1e-2
         fac[f'{name}.w{i}'] = lin.weight.detach().clone()
         fac[f'{name}.b{i}'] = lin.bias.detach().clone()
 save_file(fac, os.path.join(out, 'optim_factory.safetensors'))
+
+# Schedules from many flag combinations, per epoch and per update (--sched-on-updates), and the
+# epoch count create_scheduler_v2 returns. The C++ test rebuilds each from `kw`.
+sched_cases = []
+for kw in [
+    dict(sched='tanh', num_epochs=10, warmup_epochs=2, warmup_lr=1e-4, min_lr=1e-5),
+    dict(sched='tanh', num_epochs=6, warmup_epochs=2, warmup_lr=1e-4, warmup_prefix=True, cooldown_epochs=2),
+    dict(sched='cosine', num_epochs=4, warmup_epochs=1, warmup_lr=1e-4, min_lr=1e-5, cycle_mul=2.0, cycle_decay=0.5,
+         cycle_limit=3, k_decay=1.5, cooldown_epochs=1),
+    dict(sched='cosine', num_epochs=3, cycle_limit=4, cycle_decay=0.7),
+    dict(sched='poly', num_epochs=5, cycle_limit=2, cycle_decay=0.7, decay_rate=0.5, k_decay=2.0, min_lr=1e-4),
+    dict(sched='tanh', num_epochs=3, cycle_mul=1.5, cycle_limit=3, warmup_epochs=1, warmup_lr=1e-3),
+    dict(sched='cosine', num_epochs=3, warmup_epochs=1, warmup_lr=1e-4, min_lr=1e-5, step_on_epochs=False,
+         updates_per_epoch=7),
+    dict(sched='step', decay_epochs=1.5, decay_rate=0.5, warmup_epochs=1, warmup_lr=1e-4, step_on_epochs=False,
+         updates_per_epoch=4, num_epochs=5),
+    dict(sched='multistep', decay_milestones=[1, 3], decay_rate=0.3, step_on_epochs=False, updates_per_epoch=5,
+         num_epochs=5),
+    dict(sched='poly', num_epochs=4, decay_rate=2.0, warmup_epochs=1, warmup_prefix=True, step_on_epochs=False,
+         updates_per_epoch=3, cooldown_epochs=1),
+    dict(sched='step', decay_epochs=2, decay_rate=0.5, warmup_epochs=2, warmup_lr=1e-4, warmup_prefix=True,
+         num_epochs=9),
+]:
+    dummy = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    sch, n = create_scheduler_v2(dummy, **kw)
+    per = kw.get('updates_per_epoch', 1) if kw.get('step_on_epochs', True) is False else 1
+    lrs = [sch._get_lr(t)[0] for t in range((n + 3) * per)]
+    sched_cases.append(dict(kw=kw, lrs=lrs, num_epochs=n))
+# plateau: train.py's sequence (step(epoch + 1, metric) after each epoch), metrics that stall
+plateau_cases = []
+for kw, metrics in [
+    (dict(sched='plateau', warmup_epochs=2, warmup_lr=1e-4, patience_epochs=1, decay_rate=0.5, min_lr=0.02),
+     [10, 20, 30, 30, 30, 31, 30, 29, 28, 40, 40, 40, 40, 40]),
+    (dict(sched='plateau', patience_epochs=2, decay_rate=0.1, plateau_mode='min'),
+     [5.0, 4.0, 4.0, 4.0, 4.0, 3.9999, 3.0, 3.0, 3.0, 3.0]),
+]:
+    dummy = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    sch, n = create_scheduler_v2(dummy, **kw)
+    lrs = [dummy.param_groups[0]['lr']]
+    for e, m in enumerate(metrics):
+        sch.step(e + 1, m)
+        lrs.append(dummy.param_groups[0]['lr'])
+    plateau_cases.append(dict(kw=kw, metrics=metrics, lrs=lrs, num_epochs=n))
+# layer-wise lr decay groups (timm's param_groups_layer_decay through create_optimizer_v2)
+layer_decay = {}
+for name, kw in [('vit_tiny_patch16_224', dict(img_size=32)), ('convnext_tiny', {}), ('resnet18', {}),
+                 ('efficientnet_b0', {}), ('mobilenetv3_small_100', {})]:
+    m = timm.create_model(name, num_classes=10, **kw)
+    names = {id(p): k for k, p in m.named_parameters()}
+    opt = create_optimizer_v2(m, 'adamw', lr=1.0, weight_decay=0.05, layer_decay=0.75)
+    layer_decay[name] = {names[id(p)]: [grp['lr_scale'], grp['weight_decay']] for grp in opt.param_groups
+                         for p in grp['params']}
+save_file({'dummy': torch.zeros(1)}, os.path.join(out, 'sched.safetensors'),
+          metadata={'sched_cases': json.dumps(sched_cases), 'plateau_cases': json.dumps(plateau_cases),
+                    'layer_decay': json.dumps(layer_decay)})
 
 # Gradient clipping: torch's norm / value clipping and timm's adaptive clipping.
 from timm.utils import dispatch_clip_grad

@@ -87,6 +87,34 @@ TEST_CASE("eval-mode outputs equal timm's for the same weights", "[parity][model
   }
 }
 
+TEST_CASE("global pool types (--gp) give timm's head shapes, names and outputs", "[parity][models]") {
+  for (auto [name, gp] : std::vector<std::pair<std::string, std::string>>{{"resnet18", "catavgmax"},
+                                                                         {"mobilenetv3_small_100", "avgmax"},
+                                                                         {"efficientnet_b0", "max"},
+                                                                         {"convnext_tiny", "max"},
+                                                                         {"vit_tiny_patch16_224", "avg"}}) {
+    INFO(name << " " << gp);
+    auto st = load_ref(name + "-" + gp + ".safetensors");
+    ModelArgs a;
+    a.num_classes = 10;
+    a.img_size = ref_img_size(name);
+    a.global_pool = gp;
+    auto m = model_zoo::create_model(name, a);
+    std::map<std::string, std::vector<int64_t>> want, have;
+    for (auto& kv : nlohmann::json::parse(st.metadata.at("keys"))) want[kv[0].get<std::string>()] = kv[1].get<std::vector<int64_t>>();
+    for (auto& [k, v] : io::state_dict(*m)) have[k] = v.sizes().vec();
+    CHECK(have == want);
+    io::load_state_dict(*m, st, "model.", name);
+    m->eval();
+    torch::NoGradGuard ng;
+    CHECK(max_abs_diff(m->forward(*st.find("ref.input")), *st.find("ref.eval_out")) < 1e-4);
+  }
+  ModelArgs bad;
+  bad.global_pool = "catavgmax";
+  CHECK_THROWS_WITH(model_zoo::create_model("convnext_tiny", bad),
+                    Catch::Contains("--gp 'catavgmax': convnext_tiny supports avg, max, avgmax"));
+}
+
 TEST_CASE("features API: levels, channels, strides and maps equal timm's", "[parity][models]") {
   for (const std::string& name : all_models()) {
     INFO(name);
@@ -342,7 +370,8 @@ TEST_CASE("more schedules: multistep, poly, warmup prefix, cooldown", "[parity][
 
 TEST_CASE("optimizer factory matches timm's create_optimizer_v2", "[parity][optim]") {
   auto st = load_ref("optim_factory.safetensors");
-  for (auto [name, lr] : {std::pair{"sgd", 0.1}, {"momentum", 0.1}, {"adam", 1e-2}, {"adamw", 1e-2}, {"rmsproptf", 1e-2}}) {
+  for (auto [name, lr] : {std::pair{"sgd", 0.1}, {"momentum", 0.1}, {"adam", 1e-2}, {"adamw", 1e-2}, {"rmsproptf", 1e-2},
+                          {"lamb", 1e-2}, {"lambc", 1e-2}, {"lars", 0.1}, {"larc", 0.1}, {"nlars", 0.1}}) {
     auto w = st.find("w0")->clone().requires_grad_(true);
     auto b = st.find("b0")->clone().requires_grad_(true);
     optim::OptimizerArgs a;
@@ -454,4 +483,95 @@ TEST_CASE("ViT position embeddings resample like timm's resample_abs_pos_embed",
   CHECK(note.find("resampled pos_embed from 5 to 10 tokens") != std::string::npos);
   for (auto& [k, v] : io::state_dict(*m))
     if (k == "pos_embed") CHECK(max_abs_diff(v, io::resample_abs_pos_embed(*vit.find("model.pos_embed"), 3, 3, 1)) == 0);
+}
+
+namespace {
+optim::SchedulerArgs sched_from(const nlohmann::json& kw) {
+  optim::SchedulerArgs a;  // create_scheduler_v2's defaults
+  a.base_lr = 0.1;
+  a.sched = kw.value("sched", "cosine");
+  a.epochs = kw.value("num_epochs", 300);
+  a.warmup_epochs = kw.value("warmup_epochs", 0);
+  a.warmup_lr = kw.value("warmup_lr", 1e-5);
+  a.warmup_prefix = kw.value("warmup_prefix", false);
+  a.cooldown_epochs = kw.value("cooldown_epochs", 0);
+  a.min_lr = kw.value("min_lr", 0.0);
+  a.decay_epochs = kw.value("decay_epochs", 90.0);
+  a.decay_milestones = kw.value("decay_milestones", std::vector<int64_t>{90, 180, 270});
+  a.decay_rate = kw.value("decay_rate", 0.1);
+  a.patience_epochs = kw.value("patience_epochs", 10);
+  a.plateau_max = kw.value("plateau_mode", std::string("max")) == "max";
+  a.cycle_mul = kw.value("cycle_mul", 1.0);
+  a.cycle_decay = kw.value("cycle_decay", 0.1);  // create_scheduler_v2's default (train.py passes 0.5)
+  a.cycle_limit = kw.value("cycle_limit", 1);
+  a.k_decay = kw.value("k_decay", 1.0);
+  a.on_updates = !kw.value("step_on_epochs", true);
+  a.updates_per_epoch = kw.value("updates_per_epoch", 0);
+  return a;
+}
+}  // namespace
+
+TEST_CASE("tanh, cycles, k-decay and per-update schedules give timm's learning rates", "[parity][sched]") {
+  auto st = load_ref("sched.safetensors");
+  auto cases = nlohmann::json::parse(st.metadata.at("sched_cases"));
+  REQUIRE(cases.size() >= 10);
+  for (auto& c : cases) {
+    INFO(c["kw"].dump());
+    optim::Scheduler sch(sched_from(c["kw"]));
+    CHECK(sch.num_epochs() == c["num_epochs"].get<int64_t>());
+    auto lrs = c["lrs"].get<std::vector<double>>();
+    for (size_t t = 0; t < lrs.size(); ++t) {
+      INFO("t " << t);
+      CHECK(sch.lr_at(int64_t(t)) == Approx(lrs[t]).epsilon(1e-12).margin(1e-15));
+    }
+    // what the trainer sees: per-epoch schedules move on epochs, per-update ones on updates
+    if (sch.on_updates()) {
+      CHECK_FALSE(sch.on_epoch(1).has_value());
+      CHECK(*sch.on_update(3) == Approx(lrs[3]).epsilon(1e-12));
+    } else {
+      CHECK(*sch.on_epoch(2) == Approx(lrs[2]).epsilon(1e-12));
+      CHECK_FALSE(sch.on_update(3).has_value());
+    }
+  }
+}
+
+TEST_CASE("plateau schedule follows the eval metric like timm's PlateauLRScheduler", "[parity][sched]") {
+  auto st = load_ref("sched.safetensors");
+  for (auto& c : nlohmann::json::parse(st.metadata.at("plateau_cases"))) {
+    INFO(c["kw"].dump());
+    optim::Scheduler sch(sched_from(c["kw"]));
+    CHECK(sch.num_epochs() == c["num_epochs"].get<int64_t>());
+    auto lrs = c["lrs"].get<std::vector<double>>();
+    auto metrics = c["metrics"].get<std::vector<double>>();
+    CHECK(sch.initial_lr() == Approx(lrs[0]).epsilon(1e-12));
+    for (size_t e = 0; e < metrics.size(); ++e) {
+      INFO("epoch " << e);
+      CHECK(*sch.on_epoch(int64_t(e) + 1, metrics[e]) == Approx(lrs[e + 1]).epsilon(1e-12));
+    }
+  }
+}
+
+TEST_CASE("layer-wise lr decay groups equal timm's param_groups_layer_decay", "[parity][optim]") {
+  auto st = load_ref("sched.safetensors");
+  auto all = nlohmann::json::parse(st.metadata.at("layer_decay"));
+  for (auto& [name, want] : all.items()) {
+    INFO(name);
+    ModelArgs a;
+    a.num_classes = 10;
+    a.img_size = ref_img_size(name);
+    auto m = model_zoo::create_model(name, a);
+    std::vector<std::pair<std::string, at::Tensor>> named;
+    for (auto& p : m->named_parameters()) named.emplace_back(p.key(), p.value());
+    auto groups = optim::layer_decay_groups(named, 0.05, m->no_weight_decay(), m->group_matcher(), 0.75);
+    size_t n = 0;
+    for (auto& g : groups)
+      for (auto& pn : g.names) {
+        INFO(pn);
+        REQUIRE(want.contains(pn));
+        CHECK(g.lr_scale == Approx(want[pn][0].get<double>()).epsilon(1e-12));
+        CHECK(g.weight_decay == Approx(want[pn][1].get<double>()).margin(1e-15));
+        ++n;
+      }
+    CHECK(n == want.size());
+  }
 }

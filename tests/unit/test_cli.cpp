@@ -102,8 +102,8 @@ TEST_CASE("bad values name the flag, the value and what is accepted", "[cli]") {
   auto e = error_of({"-b", "abc"});
   CHECK_THAT(e, Catch::Contains("--batch-size") && Catch::Contains("'abc'") && Catch::Contains("positive integer"));
   CHECK_THAT(error_of({"-b", "0"}), Catch::Contains("positive integer"));
-  CHECK_THAT(error_of({"--opt", "sgdd"}), Catch::Contains("--opt") && Catch::Contains("sgd, momentum, adam, adamw, rmsproptf"));
-  CHECK_THAT(error_of({"--sched", "cos"}), Catch::Contains("cosine, step"));
+  CHECK_THAT(error_of({"--opt", "sgdd"}), Catch::Contains("--opt") && Catch::Contains("sgd, nesterov, momentum, adam, adamw, rmsproptf, lamb"));
+  CHECK_THAT(error_of({"--sched", "cos"}), Catch::Contains("cosine, tanh, step, multistep, plateau, poly"));
   CHECK_THAT(error_of({"--hflip", "1.5"}), Catch::Contains("--hflip") && Catch::Contains("[0, 1]"));
   CHECK_THAT(error_of({"--lr", "fast"}), Catch::Contains("--lr") && Catch::Contains("'fast'"));
   CHECK_THAT(error_of({"--scale", "0.5"}), Catch::Contains("--scale") && Catch::Contains("2 numbers"));

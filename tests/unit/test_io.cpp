@@ -370,3 +370,48 @@ TEST_CASE("a skipped step leaves the weights alone and training goes on", "[engi
   CHECK(std::isfinite(res.loss));
   CHECK(updates == 8);
 }
+
+TEST_CASE("O2: half weights, float32 masters and BatchNorm, and training lowers the loss", "[engine][amp]") {
+  for (auto half : {at::kBFloat16, at::kHalf}) {
+    INFO(half);
+    torch::manual_seed(0);
+    ModelArgs a;
+    a.num_classes = 4;
+    auto model = model_zoo::create_model("resnet18", a);
+    engine::MasterWeights master(*model, half);
+    for (auto& p : model->named_parameters()) {
+      INFO(p.key());
+      const bool bn = p.key().find("bn") != std::string::npos || p.key().find("downsample.1") != std::string::npos;
+      CHECK(p.value().scalar_type() == (bn ? at::kFloat : half));
+    }
+    for (auto& b : model->named_buffers())
+      if (b.value().is_floating_point()) CHECK(b.value().scalar_type() == at::kFloat);  // BN running stats
+    for (auto& [k, t] : master.named_masters()) CHECK(t.scalar_type() == at::kFloat);
+    optim::OptimizerArgs oa;
+    oa.opt = "momentum";
+    oa.lr = 0.05;
+    auto opt = optim::create_optimizer(oa, master.named_masters());
+    auto x = torch::randn({8, 3, 32, 32});
+    auto y = torch::tensor({0, 1, 2, 3, 0, 1, 2, 3});
+    engine::LossScaler scaler(1024.0, true, torch::kCPU);
+    model->train();
+    double first = 0, last = 0;
+    for (int step = 0; step < 8; ++step) {
+      auto loss = torch::nn::functional::cross_entropy(model->forward(x.to(half)).to(at::kFloat), y);
+      scaler.scale(loss).backward();
+      master.grads_to_masters();
+      for (auto& p : model->parameters()) CHECK_FALSE(p.grad().defined());
+      REQUIRE(scaler.unscale(master.masters()));
+      opt->step();
+      master.masters_to_model();
+      opt->zero_grad();
+      scaler.update();
+      (step == 0 ? first : last) = loss.item<double>();
+    }
+    CHECK(last < 0.7 * first);
+    // the model holds the masters, rounded
+    auto mp = model->named_parameters();
+    for (auto& [k, t] : master.named_masters())
+      CHECK(torch::equal(mp[k], t.to(mp[k].scalar_type())));
+  }
+}
