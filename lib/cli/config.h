@@ -71,6 +71,12 @@ struct Config {
   std::vector<double> scale{0.08, 1.0};
   std::vector<double> ratio{3.0 / 4.0, 4.0 / 3.0};
   double hflip = 0.5;
+  double vflip = 0.0;
+  std::string aa;             // --aa policy string ('' = none)
+  double color_jitter = 0.4;  // used when --aa is unset (or a '3a' policy)
+  double reprob = 0.0;
+  std::string remode = "pixel";
+  int64_t recount = 1;
   std::string train_interpolation = "random";
   double smoothing = 0.1;
   double mixup = 0.0;

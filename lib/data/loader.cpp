@@ -83,8 +83,10 @@ Batch Loader::make_batch(size_t b) {
   Batch out;
   out.images = at::empty({count, tc_.size, tc_.size, tc_.channels}, opts);
   out.labels = at::empty({count}, at::TensorOptions().dtype(at::kLong));
+  out.indices = at::empty({count}, at::TensorOptions().dtype(at::kLong));
   auto* dst = out.images.data_ptr<uint8_t>();
   auto* lab = out.labels.data_ptr<int64_t>();
+  auto* ids = out.indices.data_ptr<int64_t>();
   const size_t row = size_t(tc_.size) * tc_.size * tc_.channels;
   int64_t filled = 0;
   for (size_t k = begin; k < end; ++k) {
@@ -100,11 +102,13 @@ Batch Loader::make_batch(size_t b) {
       continue;
     }
     std::memcpy(dst + size_t(filled) * row, img.data, row);
+    ids[filled] = int64_t(idx);
     lab[filled++] = ds_->label(idx);
   }
   if (filled < count) {
     out.images = out.images.narrow(0, 0, filled);
     out.labels = out.labels.narrow(0, 0, filled);
+    out.indices = out.indices.narrow(0, 0, filled);
   }
   return out;
 }

@@ -21,6 +21,7 @@ namespace imgtrain::data {
 struct Batch {
   at::Tensor images;  // uint8 [B, H, W, C]
   at::Tensor labels;  // int64 [B]
+  at::Tensor indices;  // int64 [B]: dataset index of each sample (per-sample randomness after the loader)
   int64_t skipped = 0;
 };
 

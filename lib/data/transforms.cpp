@@ -108,6 +108,15 @@ cv::Mat apply_transform(const cv::Mat& in, const TransformConfig& tc, std::mt199
       cv::flip(out, flipped, 1);
       out = flipped;
     }
+    if (tc.vflip > 0 && uniform(rng, 0, 1) < tc.vflip) {
+      cv::Mat flipped;
+      cv::flip(out, flipped, 0);
+      out = flipped;
+    }
+    if (tc.auto_augment)
+      out = apply_augment(out, *tc.auto_augment, rng);
+    else if (tc.color_jitter > 0)
+      out = color_jitter(out, {tc.color_jitter, tc.color_jitter, tc.color_jitter}, rng);
   }
   if (!out.isContinuous()) out = out.clone();
   return out;

@@ -1,9 +1,14 @@
 // Per-sample transforms on 8-bit HWC images, as timm's create_transform builds them:
-// train = RandomResizedCrop(scale, ratio, interpolation) + horizontal flip,
+// train = RandomResizedCrop(scale, ratio, interpolation) + horizontal / vertical flip + --aa policy
+// or colour jitter (random erasing follows normalisation, in the trainer),
 // eval = resize the shorter side to floor(size / crop_pct) + center crop. The output always has
 // `channels` channels (grayscale expanded to RGB, or RGB reduced to luma for in_chans 1).
 #pragma once
+#include "data/augment.h"
+
 #include <opencv2/core.hpp>
+
+#include <memory>
 
 #include <random>
 #include <string>
@@ -19,6 +24,11 @@ struct TransformConfig {
   std::vector<double> scale{0.08, 1.0};
   std::vector<double> ratio{3.0 / 4.0, 4.0 / 3.0};
   double hflip = 0.5;
+  double vflip = 0.0;
+  // timm's secondary transforms: an --aa policy (RandAugment / AutoAugment / AugMix), else
+  // --color-jitter (brightness, contrast, saturation factor; 0 = off). The policy is parsed once.
+  std::shared_ptr<const AugmentPolicy> auto_augment;
+  double color_jitter = 0.0;
   std::string interpolation = "bilinear";  // train: random | bilinear | bicubic
   double crop_pct = 0.875;
 };

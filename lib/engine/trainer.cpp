@@ -74,6 +74,23 @@ at::Tensor model_input(const at::Tensor& nhwc_u8, torch::Device dev, const std::
   return channels_last ? x.contiguous(at::MemoryFormat::ChannelsLast) : x;
 }
 
+// timm's RandomErasing on the normalised batch, each sample from its own (seed, epoch, index)
+// generator, so the result does not depend on batch composition or thread count.
+at::Tensor random_erase(const at::Tensor& x, const at::Tensor& indices, const data::RandomErasingConfig& c,
+                        uint64_t seed, int64_t epoch) {
+  const auto format = x.is_contiguous(at::MemoryFormat::ChannelsLast) ? at::MemoryFormat::ChannelsLast
+                                                                       : at::MemoryFormat::Contiguous;
+  auto host = x.to(torch::kCPU).permute({0, 2, 3, 1}).contiguous();  // NHWC float
+  const int h = int(host.size(1)), w = int(host.size(2)), ch = int(host.size(3));
+  const auto* idx = indices.data_ptr<int64_t>();
+  for (int64_t i = 0; i < host.size(0); ++i) {
+    cv::Mat m(h, w, CV_32FC(ch), host[i].data_ptr<float>());
+    auto rng = sample_rng(seed ^ 0x657261736500ull, uint64_t(epoch), uint64_t(idx[i]));
+    data::random_erasing(m, c, rng);
+  }
+  return host.permute({0, 3, 1, 2}).to(x.device()).contiguous(format);
+}
+
 struct Normalizer {
   std::vector<double> mean, std;
   bool channels_last;
@@ -288,6 +305,7 @@ EpochResult train_one_epoch(ClassifierImpl& model, data::Loader& loader, optim::
     const int64_t accum = batch_idx >= last_batch_idx_to_accum ? last_accum : o.accum_steps;
     if (b->labels.size(0) > 0) {
       auto x = model_input(b->images, o.device, o.mean, o.std, o.channels_last);
+      if (o.erase) x = random_erase(x, b->indices, *o.erase, o.seed, o.epoch);
       at::Tensor y = b->labels.to(o.device);
       if (o.mixup.active() && o.mixup_enabled && x.size(0) % 2 == 0) {
         auto rng = sample_rng(o.seed ^ 0x6d69787570ull, uint64_t(o.epoch), uint64_t(batch_idx));
@@ -424,6 +442,14 @@ int train(const cli::Config& cfg) {
   train_tc.train = true;
   train_tc.no_aug = cfg.no_aug;
   train_tc.size = int(dc.img_size);
+  train_tc.vflip = cfg.vflip;
+  if (!cfg.aa.empty() && !cfg.no_aug) {
+    std::vector<double> mean(dc.mean.begin(), dc.mean.end());
+    auto hp = data::timm_aa_hparams(cfg.aa, int(dc.img_size), mean, cfg.train_interpolation);
+    train_tc.auto_augment = std::make_shared<const data::AugmentPolicy>(data::parse_augment(cfg.aa, hp));
+  }
+  // timm: colour jitter only without an --aa policy (or with a '3a' one)
+  train_tc.color_jitter = cfg.aa.empty() || cfg.aa.find("3a") != std::string::npos ? cfg.color_jitter : 0.0;
   train_tc.channels = int(dc.in_chans);
   train_tc.scale = cfg.scale;
   train_tc.ratio = cfg.ratio;
@@ -669,6 +695,13 @@ int train(const cli::Config& cfg) {
     if (!last_recovery.empty() && last_recovery != path) fs::remove(last_recovery, ec);
     last_recovery = path;
   };
+  if (cfg.reprob > 0 && !cfg.no_aug) {
+    data::RandomErasingConfig re;
+    re.probability = cfg.reprob;
+    re.mode = data::parse_erase_mode(cfg.remode);
+    re.max_count = int(cfg.recount);
+    eo.erase = re;
+  }
   eo.scheduler = &scheduler;
   eo.master = master.get();
   if (resume_rng.defined()) {

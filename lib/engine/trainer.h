@@ -34,6 +34,7 @@ struct EpochOptions {
   bool channels_last = false;
   const optim::Scheduler* scheduler = nullptr;
   MasterWeights* master = nullptr;  // O2: the optimizer steps these float32 copies
+  std::optional<data::RandomErasingConfig> erase;  // --reprob > 0: after normalisation, per sample
   int64_t start_update = 0;         // resume inside the epoch (a recovery checkpoint)
   int64_t recovery_interval = 0;    // --recovery-interval: save_recovery after every N updates
   std::function<void(int64_t update_idx)> save_recovery;  // stepped per update when it schedules on updates
