@@ -626,7 +626,7 @@ int train(const cli::Config& cfg) {
   }
 
   const auto fit_start = Clock::now();
-  EvalMetrics last_eval;
+  EvalMetrics last_eval, last_model_eval;  // last_eval is the EMA's when EMA is on (timm's metric)
   EpochOptions eo;
   eo.accum_steps = cfg.grad_accum_steps;
   eo.seed = uint64_t(cfg.seed);
@@ -720,7 +720,7 @@ int train(const cli::Config& cfg) {
     if (res.skipped_steps)
       log::warn("epoch {}: skipped {} optimizer step(s) with non-finite gradients (loss scale now {})", epoch,
                 res.skipped_steps, scaler ? scaler->value() : 0.0);
-    last_eval = evaluate(*model, eval_loader, norm, device, cfg.log_interval, "", amp);
+    last_eval = last_model_eval = evaluate(*model, eval_loader, norm, device, cfg.log_interval, "", amp);
     if (ema && !cfg.model_ema_force_cpu)  // as timm: the EMA's metrics are the epoch's
       last_eval = evaluate(ema->module(), eval_loader, norm, device, cfg.log_interval, " (EMA)", amp);
     const double metric = cfg.eval_metric == "top5" ? last_eval.top5 : cfg.eval_metric == "loss" ? last_eval.loss : last_eval.top1;
@@ -750,7 +750,10 @@ int train(const cli::Config& cfg) {
   if (saver.best_metric) log::info("*** Best metric: {} (epoch {})", *saver.best_metric, saver.best_epoch);
   log::info("Training time: {:.1f} min for epochs {}..{}", seconds_since(fit_start) / 60.0, start_epoch,
             num_epochs - 1);
-  if (last_eval.count)
+  if (last_eval.count && ema && !cfg.model_ema_force_cpu)
+    log::info("Final test accuracy: {:.4f} (EMA; the model itself {:.4f}; top-1 of the last epoch on {} images)",
+              last_eval.top1 / 100.0, last_model_eval.top1 / 100.0, last_eval.count);
+  else if (last_eval.count)
     log::info("Final test accuracy: {:.4f} (top-1 of the last epoch on {} images)", last_eval.top1 / 100.0,
               last_eval.count);
   log::set_file("");

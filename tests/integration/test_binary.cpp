@@ -475,3 +475,29 @@ TEST_CASE("kill -9 mid-epoch, then resume from the recovery checkpoint and finis
   auto st = io::load_safetensors(out / "k/last.safetensors");
   CHECK(st.metadata.at("epoch") == "2");
 }
+
+TEST_CASE("every recipe in configs/ parses and trains (shrunk to a few steps on small images)", "[integration]") {
+  auto data = fmnist_folder(200, 100);
+  test::TempDir out("recipes");
+  for (std::string name : {"mobilenetv3_large_100", "resnet50_a1", "efficientnet_b0", "vit_small_patch16_224"}) {
+    INFO(name);
+    // the recipes are ImageNet runs; --pretrained is switched off (no weights in the test's cache)
+    std::string yaml = test::read_file(std::string(IMGTRAIN_SOURCE_DIR) + "/configs/" + name + ".yaml");
+    // and so is mixed precision: half-precision kernels on this CPU are far slower than float32
+    // (O1/O2 are covered by the mixed-precision tests)
+    for (auto [from, to] : {std::pair{"pretrained: true", "pretrained: false"}, {"amp: true", "amp: false"},
+                            {"amp_opt_level: O2", "amp_opt_level: O0"}}) {
+      auto pos = yaml.find(from);
+      if (pos != std::string::npos) yaml.replace(pos, std::string(from).size(), to);
+    }
+    const std::string cfg = out / (name + ".yaml");
+    test::write_file(cfg, yaml);
+    auto r = test::run(kBin + " train -c " + cfg + " --data-dir " + data + " --img-size 32 -b 8 -vb 50 " +
+                       "--epochs 1 --warmup-epochs 0 --device cpu -j 2 --log-interval 100 --output " +
+                       out.path.string() + " --experiment " + name);
+    INFO(r.output);
+    CHECK(r.code == 0);
+    auto args = test::read_file(out / (name + "/args.yaml"));
+    CHECK_THAT(args, Catch::Contains("model: \"" + name.substr(0, name.find("_a1")) + "\""));
+  }
+}
