@@ -9,7 +9,9 @@ namespace imgtrain::data {
 
 Loader::Loader(std::shared_ptr<Dataset> ds, TransformConfig tc, LoaderOptions opt)
     : ds_(std::move(ds)), tc_(std::move(tc)), opt_(opt) {
-  size_t n = ds_->size();
+  if (opt_.world < 1 || opt_.rank < 0 || opt_.rank >= opt_.world)
+    throw std::invalid_argument("loader: rank must be in [0, world)");
+  size_t n = (ds_->size() + size_t(opt_.world) - 1) / size_t(opt_.world);  // this rank's share
   size_t b = size_t(opt_.batch_size);
   num_batches_ = opt_.drop_last ? n / b : (n + b - 1) / b;
   if (opt_.pin_memory && !torch::cuda::is_available()) opt_.pin_memory = false;
@@ -27,6 +29,16 @@ void Loader::stop_workers() {
   threads_.clear();
 }
 
+std::vector<int64_t> rank_share(const std::vector<int64_t>& order, int64_t rank, int64_t world) {
+  const size_t n = order.size(), w = size_t(world);
+  if (n == 0) return {};
+  const size_t total = (n + w - 1) / w * w;
+  std::vector<int64_t> out;
+  out.reserve(total / w);
+  for (size_t i = size_t(rank); i < total; i += w) out.push_back(order[i % n]);  // padding wraps to the start
+  return out;
+}
+
 void Loader::start_epoch(int64_t epoch, size_t first_batch) {
   stop_workers();
   epoch_ = epoch;
@@ -40,6 +52,7 @@ void Loader::start_epoch(int64_t epoch, size_t first_batch) {
     order_.resize(size_t(n));
     for (int64_t i = 0; i < n; ++i) order_[size_t(i)] = i;
   }
+  if (opt_.world > 1) order_ = rank_share(order_, opt_.rank, opt_.world);
   next_batch_ = std::min(first_batch, num_batches_);
   next_to_make_ = next_batch_;
   skipped_epoch_ = 0;

@@ -33,7 +33,14 @@ struct LoaderOptions {
   uint64_t seed = 42;
   bool pin_memory = false;
   int64_t prefetch_per_worker = 2;
+  // Data-parallel share: this rank's part of every epoch's order (rank r of world W).
+  int64_t rank = 0, world = 1;
 };
+
+// torch's DistributedSampler split of an epoch's order: padded by repeating its start to a
+// multiple of `world`, then rank r takes positions r, r + W, ... (with an unshuffled order this
+// is timm's OrderedDistributedSampler: N = 10, W = 4 gives [0 4 8] [1 5 9] [2 6 0] [3 7 1]).
+std::vector<int64_t> rank_share(const std::vector<int64_t>& order, int64_t rank, int64_t world);
 
 class Loader {
  public:

@@ -287,6 +287,14 @@ for i, (kind, kw) in enumerate(more):
 # torch.utils.data.DistributedSampler / timm's training order: randperm seeded with seed + epoch.
 gen = torch.Generator().manual_seed(42 + 3)
 sched['randperm'] = torch.randperm(10, generator=gen)
+# torch's DistributedSampler (4 ranks, 10 samples, padded) and timm's OrderedDistributedSampler
+from torch.utils.data.distributed import DistributedSampler
+from timm.data.distributed_sampler import OrderedDistributedSampler
+for r in range(4):
+    ds = DistributedSampler(list(range(10)), num_replicas=4, rank=r, shuffle=True, seed=42)
+    ds.set_epoch(3)
+    sched[f'dsampler.{r}'] = torch.tensor(list(iter(ds)))
+    sched[f'osampler.{r}'] = torch.tensor(list(iter(OrderedDistributedSampler(list(range(10)), num_replicas=4, rank=r))))
 # timm's no-weight-decay parameter group of resnet18.
 model = timm.create_model('resnet18', num_classes=10)
 names = {id(p): k for k, p in model.named_parameters()}

@@ -273,6 +273,22 @@ TEST_CASE("training order is torch's randperm seeded with seed + epoch", "[parit
   auto want = *st.find("randperm");
   std::vector<int64_t> w(want.data_ptr<int64_t>(), want.data_ptr<int64_t>() + want.numel());
   CHECK(l.order() == w);
+  auto vec = [](const at::Tensor& t) { return std::vector<int64_t>(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + t.numel()); };
+  std::vector<int64_t> identity(10);
+  for (int64_t i = 0; i < 10; ++i) identity[size_t(i)] = i;
+  for (int64_t r = 0; r < 4; ++r) {
+    INFO("rank " << r);
+    // torch's DistributedSampler(shuffle, seed 42, epoch 3) and timm's OrderedDistributedSampler
+    CHECK(data::rank_share(w, r, 4) == vec(*st.find("dsampler." + std::to_string(r))));
+    CHECK(data::rank_share(identity, r, 4) == vec(*st.find("osampler." + std::to_string(r))));
+    data::LoaderOptions ro = o;
+    ro.rank = r;
+    ro.world = 4;
+    data::Loader lr(std::make_shared<Tiny>(), tc, ro);
+    lr.start_epoch(3);
+    CHECK(lr.order() == vec(*st.find("dsampler." + std::to_string(r))));
+    CHECK(lr.num_batches() == 1);  // 3 samples per rank, batch 5
+  }
 }
 
 TEST_CASE("no-weight-decay group and smoothed cross entropy match timm", "[parity][optim]") {

@@ -1,9 +1,12 @@
 #include "cli/config.h"
 #include "core/error.h"
 #include "core/registry.h"
+#include "dist/env.h"
 #include "test_util.h"
 
 #include <catch2/catch.hpp>
+
+#include <map>
 
 using imgtrain::UserError;
 using imgtrain::cli::Command;
@@ -166,4 +169,54 @@ TEST_CASE("wildcards and name suggestions", "[cli]") {
   CHECK_FALSE(imgtrain::wildcard_match("resnet5", "resnet50"));
   auto close = imgtrain::closest_names("resnet5", {"vit_tiny", "resnet50", "resnet18"}, 2);
   CHECK(close == std::vector<std::string>{"resnet50", "resnet18"});
+}
+
+
+namespace {
+imgtrain::dist::DistEnv env_of(std::map<std::string, std::string> vars) {
+  return imgtrain::dist::read_env([vars](const char* n) -> const char* {
+    auto it = vars.find(n);
+    return it == vars.end() ? nullptr : it->second.c_str();
+  });
+}
+}  // namespace
+
+TEST_CASE("the worker environment is read as torchrun and SLURM define it", "[dist][env]") {
+  auto single = env_of({});
+  CHECK_FALSE(single.distributed());
+  CHECK(single.launcher == "none");
+  auto t = env_of({{"RANK", "3"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "2"},
+                   {"GROUP_RANK", "1"}, {"MASTER_ADDR", "node0"}, {"MASTER_PORT", "29400"},
+                   {"TORCHELASTIC_RUN_ID", "job7"}, {"TORCHELASTIC_RESTART_COUNT", "2"},
+                   {"TORCHELASTIC_USE_AGENT_STORE", "True"}});
+  CHECK(t.launcher == "torchrun");
+  CHECK(t.rank == 3);
+  CHECK(t.world_size == 8);
+  CHECK(t.local_rank == 1);
+  CHECK(t.local_world_size == 2);
+  CHECK(t.group_rank == 1);
+  CHECK(t.master_addr == "node0");
+  CHECK(t.master_port == 29400);
+  CHECK(t.use_agent_store);
+  CHECK(imgtrain::dist::store_prefix(t) == "imgtrain/job7/attempt_2/");
+  // a restarted attempt reads other keys
+  auto t0 = t;
+  t0.restart_count = 1;
+  CHECK(imgtrain::dist::store_prefix(t0) != imgtrain::dist::store_prefix(t));
+  auto s = env_of({{"SLURM_PROCID", "5"}, {"SLURM_NTASKS", "16"}, {"SLURM_LOCALID", "1"},
+                   {"SLURM_NTASKS_PER_NODE", "4"}, {"SLURM_NODEID", "1"}, {"SLURM_JOB_ID", "991"},
+                   {"MASTER_ADDR", "n1"}, {"MASTER_PORT", "12345"}});
+  CHECK(s.launcher == "slurm");
+  CHECK(s.rank == 5);
+  CHECK(s.world_size == 16);
+  CHECK(s.local_rank == 1);
+  CHECK(s.run_id == "991");
+  // one SLURM task is not a distributed job
+  CHECK_FALSE(env_of({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "1"}}).distributed());
+  CHECK_THROWS_WITH(env_of({{"RANK", "x"}, {"WORLD_SIZE", "2"}}), Catch::Contains("RANK='x'"));
+  CHECK_THROWS_WITH(env_of({{"RANK", "2"}, {"WORLD_SIZE", "2"}}), Catch::Contains("rank 2 is not below"));
+  CHECK_THROWS_WITH(env_of({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "1"}}),
+                    Catch::Contains("MASTER_ADDR is not set"));
+  CHECK_THROWS_WITH(env_of({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "a"}, {"MASTER_PORT", "70000"}}),
+                    Catch::Contains("MASTER_PORT"));
 }
