@@ -398,10 +398,7 @@ int64_t Scheduler::num_epochs() const {
   return a_.epochs + (a_.warmup_prefix ? a_.warmup_epochs : 0);
 }
 
-double Scheduler::initial_lr() const {
-  if (a_.sched == "plateau") return plateau_.lr;
-  return a_.warmup_epochs > 0 ? a_.warmup_lr : (a_.on_updates ? lr_at(0) : lr_at(0));
-}
+double Scheduler::initial_lr() const { return a_.sched == "plateau" ? plateau_.lr : lr_at(0); }
 
 std::optional<double> Scheduler::on_epoch(int64_t epoch, std::optional<double> metric) {
   if (a_.sched == "plateau") {  // timm's PlateauLRScheduler around torch's ReduceLROnPlateau
