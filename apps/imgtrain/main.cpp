@@ -4,7 +4,10 @@
 #include "core/error.h"
 
 #include <c10/util/Exception.h>
+#include <malloc.h>
+
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -27,7 +30,19 @@ const char* kUsage =
     "imgtrain <command> --help shows the command's flags; imgtrain --version the version.\n";
 }
 
+// glibc returns freed memory at the top of the heap to the kernel (trim) and serves big blocks
+// with fresh mmap()s, so every multi-megabyte activation of every step gets new pages that the
+// kernel must fault in and zero-fill. Serving blocks up to 32 MiB from the heap and not trimming
+// it turns that into plain reuse (measurements in docs/performance.md); the process just does not
+// shrink after its peak. IMGTRAIN_MALLOC_TUNE=0 keeps glibc's defaults.
+void tune_malloc() {
+  if (const char* v = std::getenv("IMGTRAIN_MALLOC_TUNE"); v && std::strcmp(v, "0") == 0) return;
+  mallopt(M_MMAP_THRESHOLD, 32 << 20);  // glibc's largest: blocks below 32 MiB come from the heap
+  mallopt(M_TRIM_THRESHOLD, 1 << 30);
+}
+
 int main(int argc, char** argv) {
+  tune_malloc();
   if (argc < 2 || !std::strcmp(argv[1], "-h") || !std::strcmp(argv[1], "--help")) {
     std::fputs(kUsage, argc < 2 ? stderr : stdout);
     return argc < 2 ? 2 : 0;
