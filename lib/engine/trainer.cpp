@@ -333,7 +333,8 @@ EpochResult train_one_epoch(ClassifierImpl& model, data::Loader& loader, optim::
     }
     bool finite = true;
     if (o.master) o.master->grads_to_masters();
-    auto params = o.master ? o.master->masters() : model.parameters();
+    std::vector<at::Tensor> params;  // what unscaling and clipping see (the masters under O2)
+    if (o.scaler || o.clip_grad) params = o.master ? o.master->masters() : model.parameters();
     if (o.scaler) finite = o.scaler->unscale(params);  // before clipping, as GradScaler.unscale_
     if (o.clip_grad) {
       if (o.clip_mode == "agc" && params.size() >= 2) params.resize(params.size() - 2);  // timm: head excluded

@@ -138,21 +138,33 @@ class Sgd : public Optimizer {
     each_with_grad([&](ParamGroup& g, const std::string& name, at::Tensor& p) {
       auto d = p.grad();
       if (g.weight_decay != 0) d = d.add(p, g.weight_decay);
-      if (momentum_ != 0) {
-        auto& bufs = state_[name].buf;
-        auto it = bufs.find("momentum_buffer");
-        if (it == bufs.end()) it = bufs.emplace("momentum_buffer", d.clone()).first;
-        else it->second.mul_(momentum_).add_(d);
-        d = nesterov_ ? d.add(it->second, momentum_) : it->second;
-      }
-      p.add_(d, -g.lr);
+      momentum_step(g, name, p, d);
     });
+  }
+
+ protected:
+  // p -= lr * (d through the momentum buffer), the part SGD and LARS share.
+  void momentum_step(const ParamGroup& g, const std::string& name, at::Tensor& p, at::Tensor d) {
+    if (momentum_ != 0) {
+      auto& bufs = state_[name].buf;
+      auto it = bufs.find("momentum_buffer");
+      if (it == bufs.end()) it = bufs.emplace("momentum_buffer", d.clone()).first;
+      else it->second.mul_(momentum_).add_(d);
+      d = nesterov_ ? d.add(it->second, momentum_) : it->second;
+    }
+    p.add_(d, -g.lr);
   }
 
  private:
   double momentum_;
   bool nesterov_;
 };
+
+// |w| / |u|-style trust ratio, 1 where either norm is zero (timm's nested torch.where).
+at::Tensor trust_or_one(const at::Tensor& ratio, const at::Tensor& w_norm, const at::Tensor& g_norm) {
+  auto one = torch::ones_like(w_norm);
+  return torch::where(w_norm > 0, torch::where(g_norm > 0, ratio, one), one);
+}
 
 // torch.optim.AdamW (decoupled weight decay, bias-corrected moments, amsgrad off); with
 // decoupled = false it is torch.optim.Adam (L2 decay added to the gradient).
@@ -251,7 +263,7 @@ class Lamb : public Optimizer {
       if (g.weight_decay != 0) {
         update.add_(p, g.weight_decay);
         auto w = p.norm(), u = update.norm();
-        auto trust = torch::where(w > 0, torch::where(u > 0, w / u, torch::ones_like(w)), torch::ones_like(w));
+        auto trust = trust_or_one(w / u, w, u);
         if (trust_clip_) trust = trust.clamp_max(1.0);
         update.mul_(trust);
       }
@@ -268,36 +280,25 @@ class Lamb : public Optimizer {
 // timm's Lars: for decayed tensors the gradient plus L2 decay is scaled by the trust ratio
 // trust_coeff * |w| / (|g| + wd |w| + eps) (larc: divided by lr and clipped at one), then SGD
 // momentum (nlars: Nesterov).
-class Lars : public Optimizer {
+class Lars : public Sgd {
  public:
   Lars(std::vector<ParamGroup> g, double momentum, bool nesterov, bool trust_clip)
-      : momentum_(momentum), nesterov_(nesterov), trust_clip_(trust_clip) {
-    groups_ = std::move(g);
-  }
+      : Sgd(std::move(g), momentum, nesterov), trust_clip_(trust_clip) {}
   void step() override {
     each_with_grad([&](ParamGroup& g, const std::string& name, at::Tensor& p) {
       auto d = p.grad();
       if (g.weight_decay != 0) {
         auto w = p.norm(), gn = d.norm();
-        auto trust = trust_coeff_ * w / (gn + w * g.weight_decay + eps_);
-        trust = torch::where(w > 0, torch::where(gn > 0, trust, torch::ones_like(w)), torch::ones_like(w));
+        auto trust = trust_or_one(trust_coeff_ * w / (gn + w * g.weight_decay + eps_), w, gn);
         if (trust_clip_) trust = (trust / g.lr).clamp_max(1.0);
         d = d.add(p, g.weight_decay).mul_(trust);
       }
-      if (momentum_ != 0) {
-        auto& bufs = state_[name].buf;
-        auto it = bufs.find("momentum_buffer");
-        if (it == bufs.end()) it = bufs.emplace("momentum_buffer", d.clone()).first;
-        else it->second.mul_(momentum_).add_(d);
-        d = nesterov_ ? d.add(it->second, momentum_) : it->second;
-      }
-      p.add_(d, -g.lr);
+      momentum_step(g, name, p, d);
     });
   }
 
  private:
-  double momentum_;
-  bool nesterov_, trust_clip_;
+  bool trust_clip_;
   double trust_coeff_ = 0.001, eps_ = 1e-8;
 };
 
