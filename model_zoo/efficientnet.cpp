@@ -144,7 +144,7 @@ std::vector<BlockArgs> scale_stage(const std::vector<std::string>& strs, double 
 }
 
 // ---- blocks ---------------------------------------------------------------------------------
-using torch::nn::BatchNorm2d;
+using imgtrain::BatchNorm2d;
 
 struct BlockCfg {  // what the builder resolves for every block
   int64_t in, out, stride;

@@ -35,7 +35,7 @@ const std::vector<ResNetSpec>& specs() {
 }
 
 // ---- blocks -----------------------------------------------------------------------------
-using torch::nn::BatchNorm2d;
+using imgtrain::BatchNorm2d;
 using torch::nn::Conv2d;
 using torch::nn::Conv2dOptions;
 

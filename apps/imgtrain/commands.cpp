@@ -2,6 +2,7 @@
 
 #include "cli/config.h"
 #include "core/error.h"
+#include "dist/launcher.h"
 #include "engine/trainer.h"
 #include "io/weights.h"
 #include "model_zoo/registry.h"
@@ -15,7 +16,21 @@ namespace imgtrain::app {
 
 int train(const std::vector<std::string>& args) {
   auto cfg = cli::parse(cli::Command::Train, args);
-  return cfg ? engine::train(*cfg) : 0;
+  if (!cfg) return 0;
+  // --nproc-per-node N: this process becomes the launcher of N workers running the same command
+  // line; a worker (started by us, torchrun or srun) ignores the flag.
+  if (cfg->nproc_per_node > 0 && !dist::launched_worker()) {
+    dist::LaunchOptions lo;
+    lo.nproc_per_node = cfg->nproc_per_node;
+    lo.nnodes = cfg->nnodes;
+    lo.node_rank = cfg->node_rank;
+    lo.master_addr = cfg->master_addr;
+    lo.master_port = cfg->master_port;
+    std::vector<std::string> argv{"imgtrain", "train"};
+    argv.insert(argv.end(), args.begin(), args.end());
+    return dist::launch(lo, argv);
+  }
+  return engine::train(*cfg);
 }
 
 int benchmark(const std::vector<std::string>& args) {

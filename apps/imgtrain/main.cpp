@@ -2,6 +2,7 @@
 // dispatches; user errors become one line on stderr and exit code 2.
 #include "apps/imgtrain/commands.h"
 #include "core/error.h"
+#include "dist/dist.h"
 
 #include <c10/util/Exception.h>
 #include <malloc.h>
@@ -61,6 +62,9 @@ int main(int argc, char** argv) {
   } catch (const imgtrain::UserError& e) {
     std::fprintf(stderr, "imgtrain: error: %s\n", e.what());
     return 2;
+  } catch (const imgtrain::dist::PeerLost& e) {
+    std::fprintf(stderr, "imgtrain: error: %s\n", e.what());
+    return 1;
   } catch (const c10::Error& e) {
     std::fprintf(stderr, "imgtrain: internal error: %s\n", e.what_without_backtrace());
     return 1;

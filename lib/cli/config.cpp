@@ -185,6 +185,28 @@ const std::vector<Flag>& flags() {
       {"num-warm-iter", "", &Config::num_warm_iter, "Warm-up iterations", BENCH, {}, non_negative},
       {"num-bench-iter", "", &Config::num_bench_iter, "Benchmark iterations", BENCH, {}, positive},
       {"channels-last", "", &Config::channels_last, "Channels-last (NHWC) memory layout for weights and inputs", ALL},
+      // distributed
+      {"nproc-per-node", "", &Config::nproc_per_node,
+       "Launch this many worker processes on this node (torchrun's contract; 0: run in this process)", TRAIN, {},
+       non_negative},
+      {"nnodes", "", &Config::nnodes, "Number of nodes (with --nproc-per-node)", TRAIN, {}, positive},
+      {"node-rank", "", &Config::node_rank, "This node's index (with --nproc-per-node)", TRAIN, {}, non_negative},
+      {"master-addr", "", &Config::master_addr, "Address of node 0 (with --nproc-per-node)", TRAIN},
+      {"master-port", "", &Config::master_port, "Rendezvous port on node 0 (0: a free port, single node)", TRAIN, {},
+       non_negative},
+      {"dist-backend", "", &Config::dist_backend, "Collective backend (auto: nccl on CUDA, gloo on CPU)", TRAIN,
+       {"auto", "gloo", "nccl"}},
+      {"dist-timeout", "", &Config::dist_timeout, "Seconds a collective may wait for its peers", TRAIN, {}, positive},
+      {"bucket-cap-mb", "", &Config::bucket_cap_mb, "Gradient all-reduce bucket size in MiB (DDP's)", TRAIN, {},
+       positive},
+      {"sync-bn", "", &Config::sync_bn, "Synchronised BatchNorm across processes (torch SyncBatchNorm)", TRAIN},
+      {"dist-bn", "", &Config::dist_bn, "BatchNorm statistics across processes after each epoch", TRAIN,
+       {"reduce", "broadcast", ""}},
+      {"aug-repeats", "", &Config::aug_repeats, "Repeated augmentation: copies of each sample per epoch (0: off)",
+       TRAIN, {}, non_negative},
+      {"no-ddp-bb", "", &Config::no_ddp_bb, "Do not broadcast buffers from rank 0 before each forward"},
+      {"local-rank", "local_rank", &Config::local_rank, "Ignored (torch.distributed.launch's); LOCAL_RANK rules",
+       TRAIN, {}, non_negative},
   };
   return f;
 }

@@ -120,6 +120,20 @@ struct Config {
   int64_t num_warm_iter = 10;
   int64_t num_bench_iter = 40;
   bool channels_last = false;
+  // distributed
+  int64_t nproc_per_node = 0;  // > 0: launch this many workers (imgtrain's torchrun)
+  int64_t nnodes = 1;
+  int64_t node_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int64_t master_port = 0;  // 0: a free port (single node)
+  std::string dist_backend = "auto";
+  int64_t dist_timeout = 1800;  // seconds
+  double bucket_cap_mb = 25.0;
+  bool sync_bn = false;
+  std::string dist_bn = "reduce";
+  double aug_repeats = 0.0;
+  bool no_ddp_bb = false;
+  int64_t local_rank = 0;  // accepted for timm compatibility; the environment's LOCAL_RANK rules
 };
 
 enum class Command { Train, Validate, Benchmark };

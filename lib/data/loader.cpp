@@ -5,13 +5,16 @@
 
 #include <torch/torch.h>
 
+#include <cmath>
+
 namespace imgtrain::data {
 
 Loader::Loader(std::shared_ptr<Dataset> ds, TransformConfig tc, LoaderOptions opt)
     : ds_(std::move(ds)), tc_(std::move(tc)), opt_(opt) {
   if (opt_.world < 1 || opt_.rank < 0 || opt_.rank >= opt_.world)
     throw std::invalid_argument("loader: rank must be in [0, world)");
-  size_t n = (ds_->size() + size_t(opt_.world) - 1) / size_t(opt_.world);  // this rank's share
+  size_t n = opt_.repeats > 0 ? repeat_aug_samples(int64_t(ds_->size()), opt_.repeats, opt_.world)
+                              : (ds_->size() + size_t(opt_.world) - 1) / size_t(opt_.world);  // this rank's share
   size_t b = size_t(opt_.batch_size);
   num_batches_ = opt_.drop_last ? n / b : (n + b - 1) / b;
   if (opt_.pin_memory && !torch::cuda::is_available()) opt_.pin_memory = false;
@@ -39,11 +42,50 @@ std::vector<int64_t> rank_share(const std::vector<int64_t>& order, int64_t rank,
   return out;
 }
 
+size_t repeat_aug_samples(int64_t n, double repeats, int64_t world) {
+  const auto num_samples = int64_t(std::ceil(double(n) * repeats / double(world)));
+  // timm's selected_round = 256, selected_ratio = world
+  const int64_t selected = n >= 256 ? int64_t(std::floor(double(n / 256 * 256) / double(world)))
+                                    : int64_t(std::ceil(double(n) / double(world)));
+  return size_t(std::min(selected, num_samples));
+}
+
+std::vector<int64_t> repeat_aug_share(int64_t n, int64_t epoch, bool shuffle, double repeats, int64_t rank,
+                                      int64_t world) {
+  std::vector<int64_t> perm(static_cast<size_t>(n));
+  if (shuffle) {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(uint64_t(epoch));  // timm seeds with the epoch alone
+    auto p = at::randperm(n, gen, at::TensorOptions().dtype(at::kLong));
+    perm.assign(p.data_ptr<int64_t>(), p.data_ptr<int64_t>() + n);
+  } else {
+    for (int64_t i = 0; i < n; ++i) perm[size_t(i)] = i;
+  }
+  // Each index repeated (a fractional count repeats the first ones once more), as sample keys.
+  std::vector<int64_t> keys;
+  const bool integral = repeats == std::floor(repeats);
+  const int64_t total = integral ? n * int64_t(repeats) : int64_t(std::ceil(repeats * double(n)));
+  keys.reserve(size_t(total));
+  int64_t copy = 0;
+  for (int64_t i = 0; i < total; ++i) {
+    const int64_t src = integral ? i / int64_t(repeats) : int64_t(std::floor(double(i) / repeats));
+    copy = i > 0 && !keys.empty() && keys.back() % n == perm[size_t(src)] ? copy + 1 : 0;
+    keys.push_back(perm[size_t(src)] + copy * n);
+  }
+  const int64_t num_samples = int64_t(std::ceil(double(n) * repeats / double(world)));
+  const int64_t total_size = num_samples * world;
+  const size_t selected = repeat_aug_samples(n, repeats, world);
+  std::vector<int64_t> out;
+  for (int64_t i = rank; i < total_size && out.size() < selected; i += world) out.push_back(keys[size_t(i % total)]);
+  return out;
+}
+
 void Loader::start_epoch(int64_t epoch, size_t first_batch) {
   stop_workers();
   epoch_ = epoch;
   const int64_t n = int64_t(ds_->size());
-  if (opt_.shuffle) {
+  if (opt_.repeats > 0) {
+    order_ = repeat_aug_share(n, epoch, opt_.shuffle, opt_.repeats, opt_.rank, opt_.world);
+  } else if (opt_.shuffle) {
     // torch.utils.data.DistributedSampler: g.manual_seed(seed + epoch); randperm(n, generator=g)
     auto gen = at::make_generator<at::CPUGeneratorImpl>(opt_.seed + uint64_t(epoch));
     auto perm = at::randperm(n, gen, at::TensorOptions().dtype(at::kLong));
@@ -52,7 +94,7 @@ void Loader::start_epoch(int64_t epoch, size_t first_batch) {
     order_.resize(size_t(n));
     for (int64_t i = 0; i < n; ++i) order_[size_t(i)] = i;
   }
-  if (opt_.world > 1) order_ = rank_share(order_, opt_.rank, opt_.world);
+  if (opt_.world > 1 && opt_.repeats <= 0) order_ = rank_share(order_, opt_.rank, opt_.world);
   next_batch_ = std::min(first_batch, num_batches_);
   next_to_make_ = next_batch_;
   skipped_epoch_ = 0;
@@ -103,8 +145,10 @@ Batch Loader::make_batch(size_t b) {
   const size_t row = size_t(tc_.size) * tc_.size * tc_.channels;
   int64_t filled = 0;
   for (size_t k = begin; k < end; ++k) {
-    const size_t idx = size_t(order_[k]);
-    auto rng = sample_rng(opt_.seed, uint64_t(epoch_), idx);
+    // Order entries are sample keys: the dataset index, plus copy * N for a repeated copy
+    // (--aug-repeats), so every copy draws its own augmentation.
+    const size_t key = size_t(order_[k]), idx = key % ds_->size();
+    auto rng = sample_rng(opt_.seed, uint64_t(epoch_), key);
     cv::Mat img;
     try {
       img = apply_transform(ds_->image(idx), tc_, rng);
@@ -115,7 +159,7 @@ Batch Loader::make_batch(size_t b) {
       continue;
     }
     std::memcpy(dst + size_t(filled) * row, img.data, row);
-    ids[filled] = int64_t(idx);
+    ids[filled] = int64_t(key);
     lab[filled++] = ds_->label(idx);
   }
   if (filled < count) {

@@ -35,12 +35,21 @@ struct LoaderOptions {
   int64_t prefetch_per_worker = 2;
   // Data-parallel share: this rank's part of every epoch's order (rank r of world W).
   int64_t rank = 0, world = 1;
+  // --aug-repeats: timm's RepeatAugSampler (each sample `repeats` times per epoch, copies spread
+  // over ranks, about N / world samples per rank); 0 = off.
+  double repeats = 0;
 };
 
 // torch's DistributedSampler split of an epoch's order: padded by repeating its start to a
 // multiple of `world`, then rank r takes positions r, r + W, ... (with an unshuffled order this
 // is timm's OrderedDistributedSampler: N = 10, W = 4 gives [0 4 8] [1 5 9] [2 6 0] [3 7 1]).
 std::vector<int64_t> rank_share(const std::vector<int64_t>& order, int64_t rank, int64_t world);
+
+// timm's RepeatAugSampler for rank r of W: sample keys (index + copy * n, so each copy gets its
+// own augmentation draw) and the per-rank length (selected_round 256).
+std::vector<int64_t> repeat_aug_share(int64_t n, int64_t epoch, bool shuffle, double repeats, int64_t rank,
+                                      int64_t world);
+size_t repeat_aug_samples(int64_t n, double repeats, int64_t world);
 
 class Loader {
  public:

@@ -5,6 +5,7 @@
 #include "core/rng.h"
 #include "data/loader.h"
 #include "data/normalize.h"
+#include "dist/launcher.h"
 #include "engine/checkpoint.h"
 #include "io/weights.h"
 #include "model_zoo/registry.h"
@@ -13,6 +14,7 @@
 #include <torch/torch.h>
 
 #include <chrono>
+#include <csignal>
 #include <cmath>
 #include <sstream>
 #include <ctime>
@@ -122,7 +124,8 @@ std::vector<double> accuracy(const at::Tensor& out, const at::Tensor& target, co
 // timm's validate(): log_suffix "" or " (EMA)" in train.py; validate.py's own line format when
 // validate_style is set.
 EvalMetrics evaluate(ClassifierImpl& model, data::Loader& loader, const Normalizer& norm, torch::Device dev,
-                     int64_t log_interval, const std::string& log_suffix, Amp amp, bool validate_style = false) {
+                     int64_t log_interval, const std::string& log_suffix, Amp amp, bool validate_style = false,
+                     dist::Context* ctx = nullptr) {
   torch::NoGradGuard ng;
   model.eval();
   const auto in_dtype = model.parameters().front().scalar_type();  // half under O2
@@ -148,9 +151,11 @@ EvalMetrics evaluate(ClassifierImpl& model, data::Loader& loader, const Normaliz
     out = out.to(torch::kFloat32);
     auto acc = accuracy(out, y, {1, 5});
     int64_t n = x.size(0);
-    losses.update(loss.item<double>(), n);
-    top1.update(acc[0], n);
-    top5.update(acc[1], n);
+    std::vector<double> v{loss.item<double>(), acc[0], acc[1]};
+    if (ctx) v = ctx->mean(v);  // timm's reduce_tensor of loss, acc1, acc5 per batch
+    losses.update(v[0], n);
+    top1.update(v[1], n);
+    top5.update(v[2], n);
     batch_time.update(seconds_since(end));
     end = Clock::now();
     if (batch_idx == last_idx || batch_idx % log_interval == 0) {
@@ -170,7 +175,8 @@ EvalMetrics evaluate(ClassifierImpl& model, data::Loader& loader, const Normaliz
   }
   if (loader.skipped_this_epoch())
     log::warn("evaluation skipped {} unreadable image(s)", loader.skipped_this_epoch());
-  return {losses.avg(), top1.avg(), top5.avg(), losses.count};
+  // Images seen by all ranks (timm's OrderedDistributedSampler pads the last ones by wrapping).
+  return {losses.avg(), top1.avg(), top5.avg(), losses.count * (ctx ? ctx->world() : 1)};
 }
 
 std::string now_stamp() {
@@ -292,6 +298,9 @@ EpochResult train_one_epoch(ClassifierImpl& model, data::Loader& loader, optim::
   const int64_t updates_per_epoch = (n_batches + o.accum_steps - 1) / o.accum_steps;
   const int64_t last_batch_idx_to_accum = n_batches - last_accum;
   AverageMeter update_time, data_time, losses;
+  // Gradient all-reduces this epoch: all of the group's minus the trainer's own.
+  const int64_t grad_reduces0 = o.dist ? o.dist->allreduce_calls() - o.dist->own_allreduce_calls() : 0;
+  int64_t updates_done = 0, micro_batches = 0;
   auto data_start = Clock::now(), update_start = Clock::now();
   int64_t update_samples = 0;
   optimizer.zero_grad();
@@ -299,6 +308,7 @@ EpochResult train_one_epoch(ClassifierImpl& model, data::Loader& loader, optim::
     auto b = loader.next();
     data_time.update(seconds_since(data_start));
     const bool last_batch = batch_idx == n_batches - 1;
+    ++micro_batches;
     const bool need_update = last_batch || (batch_idx + 1) % o.accum_steps == 0;
     const int64_t update_idx = batch_idx / o.accum_steps;
     // timm: the final partial group divides by its own size.
@@ -308,16 +318,21 @@ EpochResult train_one_epoch(ClassifierImpl& model, data::Loader& loader, optim::
       if (o.erase) x = random_erase(x, b->indices, *o.erase, o.seed, o.epoch);
       at::Tensor y = b->labels.to(o.device);
       if (o.mixup.active() && o.mixup_enabled && x.size(0) % 2 == 0) {
-        auto rng = sample_rng(o.seed ^ 0x6d69787570ull, uint64_t(o.epoch), uint64_t(batch_idx));
+        // Each rank mixes with its own draws (timm seeds each rank's mixup with seed + rank).
+        const uint64_t rank = o.dist ? uint64_t(o.dist->rank()) : 0;
+        auto rng = sample_rng((o.seed + rank) ^ 0x6d69787570ull, uint64_t(o.epoch), uint64_t(batch_idx));
         y = data::apply_mixup(x, y, o.mixup, rng);
       }
       at::Tensor loss;
+      // DDP: micro-steps that do not update keep their gradients local (no_sync).
+      if (o.grad_sync) o.grad_sync->before_forward(need_update);
       if (o.master) {  // O2: half inputs through the half model, the loss in float32
         loss = train_loss(model.forward(x.to(o.master->dtype())).to(torch::kFloat32), y, o.loss);
       } else {
         AutocastScope autocast(o.amp, o.device.type(), o.amp_dtype);
         loss = train_loss(model.forward(x), y, o.loss);
       }
+      if (o.grad_sync) o.grad_sync->after_forward(need_update);
       if (accum > 1) loss = loss / double(accum);
       (o.scaler ? o.scaler->scale(loss) : loss).backward();
       const double loss_v = loss.item<double>() * double(std::max<int64_t>(accum, 1));
@@ -325,7 +340,7 @@ EpochResult train_one_epoch(ClassifierImpl& model, data::Loader& loader, optim::
         throw UserError(fmt::format("training diverged: loss is {} at epoch {} update {} (lower --lr?)", loss_v,
                                     o.epoch, update_idx));
       losses.update(loss_v, x.size(0));
-      update_samples += x.size(0);
+      update_samples += x.size(0) * (o.dist ? o.dist->world() : 1);
     }
     if (!need_update) {
       data_start = Clock::now();
@@ -349,14 +364,20 @@ EpochResult train_one_epoch(ClassifierImpl& model, data::Loader& loader, optim::
     if (o.scaler) o.scaler->update();
     optimizer.zero_grad();
     ++num_updates;
+    ++updates_done;
     if (ema) ema->update(num_updates);
     update_time.update(seconds_since(update_start));
     update_start = Clock::now();
     if (last_batch || update_idx % o.log_interval == 0) {
+      double loss_now = losses.val, loss_avg = losses.avg();
+      if (o.dist) {  // as timm: each rank keeps its own running average; the log shows the mean
+        auto m = o.dist->mean({loss_now, loss_avg});
+        loss_now = m[0], loss_avg = m[1];
+      }
       log::info("Train: {} [{:>4d}/{} ({:>3.0f}%)]  Loss: {:#.3g} ({:#.3g})  Time: {:.3f}s, {:>7.2f}/s  "
                 "({:.3f}s, {:>7.2f}/s)  LR: {:.3e}  Data: {:.3f} ({:.3f})",
                 o.epoch, update_idx, updates_per_epoch, 100.0 * double(update_idx + 1) / double(updates_per_epoch),
-                losses.val, losses.avg(), update_time.val, double(update_samples) / update_time.val,
+                loss_now, loss_avg, update_time.val, double(update_samples) / update_time.val,
                 update_time.avg(), double(update_samples) / update_time.avg(), optimizer.mean_lr(), data_time.val,
                 data_time.avg());
     }
@@ -365,9 +386,25 @@ EpochResult train_one_epoch(ClassifierImpl& model, data::Loader& loader, optim::
     if (o.scheduler)  // timm's lr_scheduler.step_update(num_updates) after the log line
       if (auto lr = o.scheduler->on_update(num_updates)) optimizer.set_lr(*lr);
     update_samples = 0;
+    if (o.honour_stop && !last_batch) {  // (after the last batch, train() stops after the checkpoint)
+      // Every rank stops after the same update: the flag is agreed on (one tiny all-reduce).
+      const int sig = dist::stop_signal();
+      if (o.dist ? o.dist->any(sig != 0) : sig != 0) {
+        res.stopped_by = sig ? sig : SIGTERM;
+        res.stopped_after = update_idx;
+        if (o.save_recovery) o.save_recovery(update_idx);
+        break;
+      }
+    }
     data_start = Clock::now();
   }
   res.loss = losses.avg();
+  if (o.dist) {
+    log::info("Distributed: {} gradient all-reduce(s) for {} update(s) of {} micro-batch(es); {} bucket(s)",
+              o.dist->allreduce_calls() - o.dist->own_allreduce_calls() - grad_reduces0, updates_done, micro_batches,
+              o.grad_sync ? o.grad_sync->num_buckets() : 0);
+    res.loss = o.dist->mean({res.loss})[0];
+  }
   return res;
 }
 
@@ -384,12 +421,78 @@ void apply_bn_args(torch::nn::Module& m, const cli::Config& cfg) {
 }
 }  // namespace
 
+namespace {
+// --resume auto: the newest training checkpoint in the run's folder (the one with the most
+// updates; at a tie the end-of-epoch file), or "" when there is none yet.
+std::string find_latest_checkpoint(const std::string& dir) {
+  std::error_code ec;
+  std::string best;
+  std::pair<int64_t, int> best_key{-1, 0};
+  for (auto& e : fs::directory_iterator(dir, ec)) {
+    const auto name = e.path().filename().string();
+    if (e.path().extension() != ".safetensors" || name.find(".tmp") != std::string::npos) continue;
+    std::map<std::string, std::string> md;
+    try {
+      md = io::load_safetensors_metadata(e.path().string());
+    } catch (const UserError&) {
+      log::warn("--resume auto: ignoring unreadable file '{}'", e.path().string());
+      continue;
+    }
+    if (!md.count("num_updates") || !md.count("epoch")) continue;
+    const std::pair<int64_t, int> key{std::stoll(md["num_updates"]), md.count("recovery_update") ? 0 : 1};
+    if (key > best_key) best_key = key, best = e.path().string();
+  }
+  return best;
+}
+
+int fit(const cli::Config& cfg, torch::Device device, dist::Context* ctx);
+}  // namespace
+
 int train(const cli::Config& cfg) {
-  require_file(cfg.resume, "--resume");
+  if (cfg.resume != "auto") require_file(cfg.resume, "--resume");
   require_file(cfg.pretrained_path, "--pretrained-path");
   require_file(cfg.initial_checkpoint, "--initial-checkpoint");
-  torch::manual_seed(uint64_t(cfg.seed));
-  const auto device = resolve_device(cfg.device);
+  const auto denv = dist::read_env();
+  log::set_rank(int(denv.rank));
+  dist::install_stop_handlers();
+  auto device = resolve_device(cfg.device);
+  std::shared_ptr<dist::Context> ctx;
+  if (denv.distributed()) {
+    if (device.is_cuda()) {  // one device per process: the local rank's
+      if (denv.local_rank >= int64_t(torch::cuda::device_count()))
+        throw UserError(fmt::format("LOCAL_RANK {}: only {} CUDA device(s) on this host", denv.local_rank,
+                                    torch::cuda::device_count()));
+      device = torch::Device(torch::kCUDA, c10::DeviceIndex(denv.local_rank));
+    }
+    dist::InitOptions io;
+    io.backend = cfg.dist_backend;
+    io.timeout = std::chrono::seconds(cfg.dist_timeout);
+    io.device = device;
+    ctx = dist::Context::init(denv, io);
+    log::info("Training in distributed mode with multiple processes, 1 device per process. Process {}, total {}, "
+              "device {} ({}).",
+              denv.rank, denv.world_size, device.str(), ctx->backend());
+  } else {
+    log::info("Training with a single process on 1 device ({}).", device.str());
+  }
+  try {
+    return fit(cfg, device, ctx.get());
+  } catch (const UserError&) {
+    throw;
+  } catch (const dist::PeerLost&) {
+    throw;
+  } catch (const std::exception& e) {
+    if (ctx)
+      if (auto lost = ctx->explain(e)) throw *lost;
+    throw;
+  }
+}
+
+namespace {
+int fit(const cli::Config& cfg, torch::Device device, dist::Context* ctx) {
+  const int64_t rank = ctx ? ctx->rank() : 0, world = ctx ? ctx->world() : 1;
+  const bool primary = rank == 0;  // only rank 0 writes files
+  torch::manual_seed(uint64_t(cfg.seed + rank));  // timm's random_seed(seed, rank)
   const auto& defaults = model_zoo::model_defaults(cfg.model);  // unknown model fails before data loading
   const DataConfig dc = resolve_data_config(cfg, defaults);
   const Amp amp = resolve_amp(cfg);
@@ -405,9 +508,9 @@ int train(const cli::Config& cfg) {
   if ((cfg.mixup > 0 || cfg.cutmix > 0 || !cfg.cutmix_minmax.empty()) && cfg.batch_size % 2)
     throw UserError(fmt::format("--batch-size {}: mixup/cutmix mixes each sample with its mirror and needs an even "
                                 "batch size", cfg.batch_size));
-  if (int64_t(train_ds->size()) < cfg.batch_size)
-    throw UserError(fmt::format("--batch-size {}: the train split has only {} images (batches drop the remainder)",
-                                cfg.batch_size, train_ds->size()));
+  if (int64_t(train_ds->size()) / world < cfg.batch_size)
+    throw UserError(fmt::format("--batch-size {}: the train split has only {} images for {} process(es) (batches "
+                                "drop the remainder)", cfg.batch_size, train_ds->size(), world));
 
   ModelArgs margs;
   margs.num_classes = num_classes;
@@ -436,6 +539,10 @@ int train(const cli::Config& cfg) {
   }
   model->to(device);
   if (cfg.channels_last) to_channels_last(*model);
+  if (ctx) {
+    if (cfg.sync_bn) ctx->convert_sync_batchnorm(*model);
+    ctx->broadcast_model(*model);  // every rank starts from rank 0's weights and buffers
+  }
   std::unique_ptr<MasterWeights> master;
   if (amp.o2) master = std::make_unique<MasterWeights>(*model, amp.dtype);
 
@@ -468,8 +575,12 @@ int train(const cli::Config& cfg) {
   lo.workers = cfg.workers;
   lo.seed = uint64_t(cfg.seed);
   lo.pin_memory = cfg.pin_mem && device.is_cuda();
+  lo.rank = rank;
+  lo.world = world;
+  lo.repeats = cfg.aug_repeats;
   data::Loader train_loader(train_ds, train_tc, lo);
   data::LoaderOptions elo = lo;
+  elo.repeats = 0;  // evaluation: timm's OrderedDistributedSampler
   elo.batch_size = cfg.validation_batch_size.value_or(cfg.batch_size);
   elo.shuffle = false;
   elo.drop_last = false;
@@ -481,7 +592,7 @@ int train(const cli::Config& cfg) {
   if (cfg.lr) {
     lr = *cfg.lr;
   } else {
-    const int64_t global_batch = cfg.batch_size * cfg.grad_accum_steps;  // x world size, once that exists
+    const int64_t global_batch = cfg.batch_size * cfg.grad_accum_steps * world;
     std::string how;
     lr = optim::scaled_lr(cfg.lr_base, cfg.lr_base_size, cfg.lr_base_scale, cfg.opt, global_batch, &how);
     log::info("Learning rate ({}) calculated from base learning rate ({}) and effective global batch size ({}) "
@@ -538,38 +649,47 @@ int train(const cli::Config& cfg) {
                               : fmt::format("{}-{}-{}", now_stamp(), cfg.model, dc.img_size);
   const std::string out_dir = (fs::path(cfg.output.empty() ? "./output/train" : cfg.output) / exp).string();
   std::error_code ec;
-  fs::create_directories(out_dir, ec);
+  if (primary) fs::create_directories(out_dir, ec);
   if (ec) throw UserError(fmt::format("--output '{}': cannot create the folder ({})", out_dir, ec.message()));
   const std::string args_yaml = cli::to_yaml(cli::Command::Train, cfg);
-  {
+  if (primary) {
     std::ofstream f(out_dir + "/args.yaml");
     f << args_yaml;
     if (!f) throw UserError(fmt::format("cannot write '{}/args.yaml'", out_dir));
   }
-  log::set_file(out_dir + "/log.txt");
+  if (primary) log::set_file(out_dir + "/log.txt");
+
+  // --resume auto (a restarted or preempted job): the newest checkpoint of this run's folder.
+  std::string resume_path = cfg.resume;
+  if (cfg.resume == "auto") {
+    if (cfg.experiment.empty())
+      throw UserError("--resume auto finds the run's folder from --experiment; give --experiment NAME");
+    resume_path = find_latest_checkpoint(out_dir);
+    if (resume_path.empty()) log::info("--resume auto: no checkpoint in '{}' yet; starting from scratch", out_dir);
+  }
 
   const bool decreasing = cfg.eval_metric == "loss";
   CheckpointSaver saver(out_dir, cfg.checkpoint_hist, decreasing);
   int64_t start_epoch = 0, num_updates = 0, start_update = 0;
   at::Tensor resume_rng;
   std::string resume_plateau;
-  if (!cfg.resume.empty()) {
-    auto st = io::load_safetensors(cfg.resume);
+  if (!resume_path.empty()) {
+    auto st = io::load_safetensors(resume_path);
     auto meta = [&](const std::string& k) -> std::string {
       auto it = st.metadata.find(k);
       if (it == st.metadata.end())
-        throw UserError(fmt::format("--resume '{}': not an imgtrain training checkpoint (no '{}')", cfg.resume, k));
+        throw UserError(fmt::format("--resume '{}': not an imgtrain training checkpoint (no '{}')", resume_path, k));
       return it->second;
     };
     if (meta("arch") != cfg.model)
-      throw UserError(fmt::format("--resume '{}': checkpoint is a {}, but --model is {}", cfg.resume, meta("arch"),
+      throw UserError(fmt::format("--resume '{}': checkpoint is a {}, but --model is {}", resume_path, meta("arch"),
                                   cfg.model));
-    io::load_state_dict(*model, st, "model.", cfg.resume);
+    io::load_state_dict(*model, st, "model.", resume_path);
     if (master) {  // the float32 masters as saved (the model's half weights are their rounding)
       torch::NoGradGuard ng;
       for (auto& [k, t] : master->named_masters()) {
         auto* saved = st.find("master." + k);
-        if (!saved) throw UserError(fmt::format("--resume '{}': no O2 master weights (master.{})", cfg.resume, k));
+        if (!saved) throw UserError(fmt::format("--resume '{}': no O2 master weights (master.{})", resume_path, k));
         t.copy_(*saved);
       }
     }
@@ -597,7 +717,7 @@ int train(const cli::Config& cfg) {
       saver.best_metric = std::stod(st.metadata["best_metric"]);
       saver.best_epoch = std::stoll(st.metadata["best_epoch"]);
     }
-    log::info("Resumed from checkpoint '{}' (epoch {})", cfg.resume, start_epoch - 1);
+    log::info("Resumed from checkpoint '{}' (epoch {})", resume_path, start_epoch - 1);
   }
   std::unique_ptr<ModelEma> ema;
   if (cfg.model_ema) {
@@ -607,11 +727,13 @@ int train(const cli::Config& cfg) {
     ema = std::make_unique<ModelEma>(ema_model, *model, cfg.model_ema_decay,
                                      cfg.model_ema_warmup, cfg.model_ema_force_cpu ? torch::kCPU : device);
     if (cfg.channels_last) to_channels_last(ema->module());
-    if (!cfg.resume.empty()) {
-      auto st = io::load_safetensors(cfg.resume);
-      if (io::weights_prefix(st, true) == "ema.") io::load_state_dict(ema->module(), st, "ema.", cfg.resume);
+    if (!resume_path.empty()) {
+      auto st = io::load_safetensors(resume_path);
+      if (io::weights_prefix(st, true) == "ema.") io::load_state_dict(ema->module(), st, "ema.", resume_path);
     }
   }
+  std::unique_ptr<dist::GradSync> grad_sync;  // created last, on the final parameters (as DDP)
+  if (ctx) grad_sync = ctx->grad_sync(*model, cfg.bucket_cap_mb, !cfg.no_ddp_bb);
   if (cfg.start_epoch) start_epoch = *cfg.start_epoch;
   log::info("Scheduled epochs: {}. LR stepped per {}.", num_epochs, cfg.sched_on_updates ? "update" : "epoch");
   if (start_epoch > 0 && cfg.sched == "plateau" && !resume_plateau.empty()) {
@@ -690,6 +812,7 @@ int train(const cli::Config& cfg) {
   std::string last_recovery;
   eo.recovery_interval = cfg.recovery_interval;
   eo.save_recovery = [&](int64_t update_idx) {
+    if (!primary) return;
     const std::string path = fmt::format("{}/recovery-{}-{}.safetensors", out_dir, eo.epoch, update_idx);
     write_checkpoint(path, eo.epoch, saver.best_metric.value_or(0.0), saver.best_metric.value_or(0.0),
                      saver.best_epoch, scheduler.plateau_state(), {{"recovery_update", std::to_string(update_idx)}});
@@ -705,6 +828,8 @@ int train(const cli::Config& cfg) {
   }
   eo.scheduler = &scheduler;
   eo.master = master.get();
+  eo.dist = ctx;
+  eo.grad_sync = grad_sync.get();
   if (resume_rng.defined()) {
     auto g = at::detail::getDefaultCPUGenerator();
     g.set_state(resume_rng);
@@ -714,22 +839,33 @@ int train(const cli::Config& cfg) {
     eo.epoch = epoch;
     eo.mixup_enabled = !(cfg.mixup_off_epoch && epoch >= cfg.mixup_off_epoch);
     const auto res = train_one_epoch(*model, train_loader, *optimizer, ema.get(), num_updates, eo);
+    if (res.stopped_by) {
+      log::info("Stopped by signal {} after update {} of epoch {}{}", res.stopped_by, res.stopped_after, epoch,
+                last_recovery.empty() ? "" : "; recovery checkpoint " + last_recovery);
+      log::set_file("");
+      return 128 + res.stopped_by;
+    }
     const double train_loss = res.loss;
+    if (ctx && !cfg.sync_bn && !cfg.dist_bn.empty()) {  // timm's distribute_bn
+      log::info("Distributing BatchNorm running means and vars");
+      ctx->distribute_bn(*model, cfg.dist_bn == "reduce");
+      if (ema && !cfg.model_ema_force_cpu) ctx->distribute_bn(ema->module(), cfg.dist_bn == "reduce");
+    }
     if (train_loader.skipped_this_epoch())
       log::warn("epoch {}: skipped {} unreadable image(s) in training", epoch, train_loader.skipped_this_epoch());
 
     if (res.skipped_steps)
       log::warn("epoch {}: skipped {} optimizer step(s) with non-finite gradients (loss scale now {})", epoch,
                 res.skipped_steps, scaler ? scaler->value() : 0.0);
-    last_eval = last_model_eval = evaluate(*model, eval_loader, norm, device, cfg.log_interval, "", amp);
+    last_eval = last_model_eval = evaluate(*model, eval_loader, norm, device, cfg.log_interval, "", amp, false, ctx);
     if (ema && !cfg.model_ema_force_cpu)  // as timm: the EMA's metrics are the epoch's
-      last_eval = evaluate(ema->module(), eval_loader, norm, device, cfg.log_interval, " (EMA)", amp);
+      last_eval = evaluate(ema->module(), eval_loader, norm, device, cfg.log_interval, " (EMA)", amp, false, ctx);
     const double metric = cfg.eval_metric == "top5" ? last_eval.top5 : cfg.eval_metric == "loss" ? last_eval.loss : last_eval.top1;
 
     // summary.csv with timm's columns.
     const std::string summary = out_dir + "/summary.csv";
     const bool header = !fs::exists(summary);
-    {
+    if (primary) {
       std::ofstream f(summary, std::ios::app);
       if (header) f << "epoch,train_loss,eval_loss,eval_top1,eval_top5,lr\n";
       f << fmt::format("{},{},{},{},{},{}\n", epoch, train_loss, last_eval.loss, last_eval.top1, last_eval.top5,
@@ -744,9 +880,20 @@ int train(const cli::Config& cfg) {
     const bool new_best = !saver.best_metric || saver.better(metric, *saver.best_metric);
     const double best_metric = new_best ? metric : *saver.best_metric;
     const int64_t best_epoch = new_best ? epoch : saver.best_epoch;
-    saver.save(epoch, metric, [&](const std::string& path) {
-      write_checkpoint(path, epoch, metric, best_metric, best_epoch, plateau, {});
-    });
+    if (primary)
+      saver.save(epoch, metric, [&](const std::string& path) {
+        write_checkpoint(path, epoch, metric, best_metric, best_epoch, plateau, {});
+      });
+    else if (new_best)
+      saver.best_metric = metric, saver.best_epoch = epoch;
+    if (epoch + 1 < num_epochs) {  // a stop request during evaluation: after this epoch's checkpoint
+      const int sig = dist::stop_signal();
+      if (ctx ? ctx->any(sig != 0) : sig != 0) {
+        log::info("Stopped by signal {} after epoch {} (checkpoint written)", sig ? sig : SIGTERM, epoch);
+        log::set_file("");
+        return 128 + (sig ? sig : SIGTERM);
+      }
+    }
   }
   if (saver.best_metric) log::info("*** Best metric: {} (epoch {})", *saver.best_metric, saver.best_epoch);
   log::info("Training time: {:.1f} min for epochs {}..{}", seconds_since(fit_start) / 60.0, start_epoch,
@@ -760,6 +907,7 @@ int train(const cli::Config& cfg) {
   log::set_file("");
   return 0;
 }
+}  // namespace
 
 int validate(const cli::Config& cfg) {
   if (cfg.checkpoint.empty() && !cfg.pretrained && cfg.pretrained_path.empty())

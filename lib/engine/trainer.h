@@ -4,6 +4,7 @@
 #include "cli/config.h"
 #include "data/loader.h"
 #include "data/mixup.h"
+#include "dist/dist.h"
 #include "engine/amp.h"
 #include "engine/ema.h"
 #include "engine/loss.h"
@@ -38,11 +39,19 @@ struct EpochOptions {
   int64_t start_update = 0;         // resume inside the epoch (a recovery checkpoint)
   int64_t recovery_interval = 0;    // --recovery-interval: save_recovery after every N updates
   std::function<void(int64_t update_idx)> save_recovery;  // stepped per update when it schedules on updates
+  // Data parallel: collectives (loss averages for the log) and the gradient reducer; null alone.
+  dist::Context* dist = nullptr;
+  dist::GradSync* grad_sync = nullptr;
+  // Between updates: a SIGINT / SIGTERM (agreed over the ranks) ends the epoch after a recovery
+  // checkpoint (save_recovery, when set).
+  bool honour_stop = true;
 };
 
 struct EpochResult {
   double loss = 0;            // average of the unscaled loss
   int64_t skipped_steps = 0;  // optimizer updates skipped for non-finite gradients
+  int stopped_by = 0;         // the signal that stopped the epoch early, or 0
+  int64_t stopped_after = -1;  // the last update done before stopping
 };
 
 // timm's dispatch_clip_grad: norm (total 2-norm), value, or agc (unit-wise adaptive clipping

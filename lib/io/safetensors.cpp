@@ -156,4 +156,30 @@ SafeTensors load_safetensors(const std::string& path) {
   return parse_safetensors(ss.str(), path);
 }
 
+std::map<std::string, std::string> load_safetensors_metadata(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) throw UserError(fmt::format("cannot open '{}'", path));
+  char len[8];
+  if (!f.read(len, 8)) throw UserError(fmt::format("'{}' is not a valid safetensors file: shorter than 8 bytes", path));
+  uint64_t hn = 0;
+  for (int i = 0; i < 8; ++i) hn |= uint64_t(uint8_t(len[i])) << (8 * i);
+  f.seekg(0, std::ios::end);
+  const uint64_t size = uint64_t(f.tellg());
+  if (hn > size - 8) throw UserError(fmt::format("'{}' is not a valid safetensors file: header length {} exceeds the file size", path, hn));
+  std::string bytes(8 + hn, '\0');
+  f.seekg(0);
+  f.read(bytes.data(), std::streamsize(bytes.size()));
+  nlohmann::json header;
+  try {
+    header = nlohmann::json::parse(bytes.begin() + 8, bytes.end());
+  } catch (const nlohmann::json::exception& e) {
+    throw UserError(fmt::format("'{}' is not a valid safetensors file: header is not JSON", path));
+  }
+  std::map<std::string, std::string> md;
+  if (header.is_object() && header.contains("__metadata__") && header["__metadata__"].is_object())
+    for (auto& [k, v] : header["__metadata__"].items())
+      if (v.is_string()) md[k] = v.get<std::string>();
+  return md;
+}
+
 }  // namespace imgtrain::io

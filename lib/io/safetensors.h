@@ -18,6 +18,8 @@ struct SafeTensors {
 
 // Reads a whole file; throws UserError naming the file and the defect if it is malformed.
 SafeTensors load_safetensors(const std::string& path);
+// Only the header's __metadata__ (checkpoint discovery without reading the tensors).
+std::map<std::string, std::string> load_safetensors_metadata(const std::string& path);
 SafeTensors parse_safetensors(const std::string& bytes, const std::string& what);
 // Writes to PATH.tmp in the same folder, then renames, so a crash never leaves a broken file.
 void save_safetensors(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,

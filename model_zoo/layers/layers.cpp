@@ -87,7 +87,7 @@ ConvBnActImpl::ConvBnActImpl(int64_t in, int64_t out, int64_t k, int64_t stride,
                              double bn_eps, bool skip, double drop_path_rate)
     : act(act_), has_skip(skip && stride == 1 && in == out), dpr(drop_path_rate) {
   conv = register_module("conv", Conv(in, out, k, stride, 1, false, pad_type));
-  bn1 = register_module("bn1", torch::nn::BatchNorm2d(torch::nn::BatchNormOptions(out).eps(bn_eps)));
+  bn1 = register_module("bn1", imgtrain::BatchNorm2d(torch::nn::BatchNormOptions(out).eps(bn_eps)));
 }
 
 at::Tensor ConvBnActImpl::forward(at::Tensor x) {

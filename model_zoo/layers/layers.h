@@ -3,7 +3,7 @@
 // TF 'same'), squeeze-and-excite, and layer norm over the channels of NCHW tensors.
 #pragma once
 #include <torch/nn/module.h>
-#include <torch/nn/modules/batchnorm.h>
+#include "core/batch_norm.h"
 #include <torch/nn/modules/conv.h>
 #include <torch/nn/modules/normalization.h>
 #include <torch/nn/pimpl.h>
@@ -50,7 +50,7 @@ struct ConvBnActImpl : torch::nn::Module {
                 double bn_eps = 1e-5, bool skip = false, double drop_path_rate = 0.0);
   at::Tensor forward(at::Tensor x);
   Conv conv{nullptr};
-  torch::nn::BatchNorm2d bn1{nullptr};
+  imgtrain::BatchNorm2d bn1{nullptr};
   Act act;
   bool has_skip;
   double dpr;

@@ -5,6 +5,7 @@
 #include "io/safetensors.h"
 #include "model_zoo/registry.h"
 #include "test_util.h"
+#include "integration/fixtures.h"
 
 #include <catch2/catch.hpp>
 #include <opencv2/imgcodecs.hpp>
@@ -21,41 +22,6 @@ namespace {
 const std::string kBin = IMGTRAIN_BIN;
 const std::string kPython = std::string(IMGTRAIN_SOURCE_DIR) + "/.venv/bin/python";
 
-// ImageFolder of the first `n_train` training and `n_val` test images of Fashion-MNIST, made
-// once per build folder (written to a temporary name, then renamed, so parallel tests agree).
-std::string fmnist_folder(size_t n_train = 2000, size_t n_val = 500) {
-  fs::path root = fs::path(IMGTRAIN_PARITY_DIR).parent_path() / fmt::format("fmnist-{}-{}", n_train, n_val);
-  if (fs::exists(root / "done")) return root.string();
-  fs::path tmp = root.string() + ".tmp" + std::to_string(::getpid());
-  for (auto [split, n] : {std::pair{std::string("train"), n_train}, std::pair{std::string("validation"), n_val}}) {
-    auto ds = data::create_dataset("fashion-mnist", "", split);
-    for (size_t i = 0; i < n; ++i) {
-      auto dir = tmp / (split == "train" ? "train" : "val") / fmt::format("class_{}", ds->label(i));
-      fs::create_directories(dir);
-      cv::imwrite((dir / fmt::format("{:05d}.png", i)).string(), ds->image(i));
-    }
-  }
-  test::write_file((tmp / "done").string(), "");
-  std::error_code ec;
-  fs::rename(tmp, root, ec);
-  if (ec) fs::remove_all(tmp, ec);  // another test made it first
-  return root.string();
-}
-
-std::vector<std::vector<std::string>> read_csv(const std::string& path) {
-  std::vector<std::vector<std::string>> rows;
-  std::stringstream ss(test::read_file(path));
-  std::string line;
-  while (std::getline(ss, line)) {
-    std::vector<std::string> cells;
-    std::stringstream ls(line);
-    std::string c;
-    while (std::getline(ls, c, ',')) cells.push_back(c);
-    rows.push_back(cells);
-  }
-  return rows;
-}
-
 // A user error: exit code 2, one line of message, no crash.
 void expect_user_error(const test::RunResult& r, const std::string& needle) {
   INFO(r.output);
@@ -71,7 +37,7 @@ const std::string kSmallArgs =
 }  // namespace
 
 TEST_CASE("trains far above chance, validates, resumes at the next epoch, loads in timm", "[integration]") {
-  auto data = fmnist_folder();
+  auto data = test::fmnist_folder();
   test::TempDir out("train");
   auto r = test::run(kBin + " train --data-dir " + data + kSmallArgs + " --epochs 3 --output " + out.path.string() +
                      " --experiment run");
@@ -82,7 +48,7 @@ TEST_CASE("trains far above chance, validates, resumes at the next epoch, loads 
                  "log.txt"})
     CHECK(fs::exists(run + "/" + f));
   CHECK_THAT(r.output, Catch::Contains("Train: 2 [  39/40 (100%)]") && Catch::Contains("*** Best metric:"));
-  auto rows = read_csv(run + "/summary.csv");
+  auto rows = test::read_csv(run + "/summary.csv");
   REQUIRE(rows.size() == 4);
   CHECK(rows[0] == std::vector<std::string>{"epoch", "train_loss", "eval_loss", "eval_top1", "eval_top5", "lr"});
   double top1 = std::stod(rows[3][3]);
@@ -100,7 +66,7 @@ TEST_CASE("trains far above chance, validates, resumes at the next epoch, loads 
   auto vr = test::run(kBin + " validate --checkpoint " + run + "/last.safetensors --data-dir " + data +
                       " --device cpu -b 100 --results-file " + (out / "val.csv"));
   REQUIRE(vr.code == 0);
-  auto vrows = read_csv(out / "val.csv");
+  auto vrows = test::read_csv(out / "val.csv");
   REQUIRE(vrows.size() == 2);
   CHECK(vrows[0] == std::vector<std::string>{"model", "top1", "top1_err", "top5", "top5_err", "param_count",
                                              "img_size", "crop_pct", "interpolation"});
@@ -114,7 +80,7 @@ TEST_CASE("trains far above chance, validates, resumes at the next epoch, loads 
   REQUIRE(r2.code == 0);
   CHECK_THAT(r2.output, Catch::Contains("Resumed from checkpoint") && Catch::Contains("Train: 3 [   0/40"));
   CHECK_THAT(r2.output, !Catch::Contains("Train: 0 ["));
-  rows = read_csv(run + "/summary.csv");
+  rows = test::read_csv(run + "/summary.csv");
   REQUIRE(rows.size() == 5);
   CHECK(rows[4][0] == "3");
   auto st = io::load_safetensors(run + "/last.safetensors");
@@ -165,7 +131,7 @@ TEST_CASE("trains far above chance, validates, resumes at the next epoch, loads 
 }
 
 TEST_CASE("pretrained timm weights are found in the offline hub cache and adapted", "[integration]") {
-  auto data = fmnist_folder(200, 100);
+  auto data = test::fmnist_folder(200, 100);
   const std::string hub = std::string(IMGTRAIN_PARITY_DIR) + "/hub";
   auto r = test::run("HF_HUB_CACHE=" + hub + " " + kBin + " validate --pretrained --model resnet18 --data-dir " + data +
                      " --in-chans 1 --num-classes 10 --device cpu");
@@ -190,7 +156,7 @@ TEST_CASE("pretrained timm weights are found in the offline hub cache and adapte
 }
 
 TEST_CASE("EMA, accumulation and clipping train, checkpoint, resume and export", "[integration]") {
-  auto data = fmnist_folder(200, 100);
+  auto data = test::fmnist_folder(200, 100);
   test::TempDir out("ema");
   const std::string args = " --data-dir " + data + kSmallArgs + " -b 25 --grad-accum-steps 2 --model-ema " +
                            "--model-ema-decay 0.9 --clip-grad 2 --opt adamw --lr 1e-3 --output " + out.path.string() +
@@ -219,7 +185,7 @@ TEST_CASE("EMA, accumulation and clipping train, checkpoint, resume and export",
 }
 
 TEST_CASE("mixed precision: float16 with a loss scaler, bfloat16 without", "[integration]") {
-  auto data = fmnist_folder(200, 100);
+  auto data = test::fmnist_folder(200, 100);
   test::TempDir out("amp");
   auto r = test::run(kBin + " train --data-dir " + data + kSmallArgs + " --epochs 1 --amp --output " +
                      out.path.string() + " --experiment h");
@@ -258,7 +224,7 @@ TEST_CASE("mixed precision: float16 with a loss scaler, bfloat16 without", "[int
 }
 
 TEST_CASE("mixup, cutmix and BCE loss train end to end", "[integration]") {
-  auto data = fmnist_folder(200, 100);
+  auto data = test::fmnist_folder(200, 100);
   test::TempDir out("mix");
   auto r = test::run(kBin + " train --data-dir " + data + kSmallArgs + " --epochs 2 --mixup 0.2 --cutmix 1.0 " +
                      "--mixup-mode pair --mixup-off-epoch 1 --bce-loss --output " + out.path.string() +
@@ -272,7 +238,7 @@ TEST_CASE("mixup, cutmix and BCE loss train end to end", "[integration]") {
 }
 
 TEST_CASE("a corrupt image is skipped with a warning naming it, and training completes", "[integration]") {
-  auto data = fmnist_folder(200, 100);
+  auto data = test::fmnist_folder(200, 100);
   test::TempDir d("corrupt");
   fs::copy(data, d.path, fs::copy_options::recursive);
   test::write_file(d / "train/class_3/zz_broken.png", "\x89PNG\r\n\x1a\n this is not really a png");
@@ -286,7 +252,7 @@ TEST_CASE("a corrupt image is skipped with a warning naming it, and training com
 }
 
 TEST_CASE("user errors give one clear line and exit code 2", "[integration]") {
-  auto data = fmnist_folder(200, 100);
+  auto data = test::fmnist_folder(200, 100);
   test::TempDir d("errors");
   expect_user_error(test::run(kBin + " train --model resnet18"), "--data-dir");
   expect_user_error(test::run(kBin + " train --data-dir " + d.path.string() + "/nowhere"), "nowhere");
@@ -331,7 +297,7 @@ TEST_CASE("benchmark prints timm's fields and writes the results file", "[integr
 }
 
 TEST_CASE("a ViT trains at a custom image size; a size off the patch grid is refused", "[integration]") {
-  auto data = fmnist_folder(200, 100);
+  auto data = test::fmnist_folder(200, 100);
   test::TempDir out("vit");
   const std::string args = " --model vit_tiny_patch16_224 --in-chans 1 -b 50 --opt adamw --lr 1e-3 --warmup-epochs 0 "
                            "--drop-path 0.1 -j 2 --device cpu --epochs 1 --output " + out.path.string();
@@ -345,7 +311,7 @@ TEST_CASE("a ViT trains at a custom image size; a size off the patch grid is ref
 }
 
 TEST_CASE("a timm args.yaml trains, with the command line overriding it", "[integration]") {
-  auto data = fmnist_folder(200, 100);
+  auto data = test::fmnist_folder(200, 100);
   test::TempDir out("timmargs");
   auto r = test::run(kBin + " train -c " + IMGTRAIN_SOURCE_DIR + "/tests/data/timm_args_resnet50.yaml --data-dir " +
                      data + kSmallArgs + " --epochs 1 --output " + out.path.string() + " --experiment t");
@@ -373,7 +339,7 @@ TEST_CASE("models lists the registry with parameter counts", "[integration]") {
 }
 
 TEST_CASE("each family trains, exports, and timm reproduces the outputs from the exported file", "[integration]") {
-  auto data = fmnist_folder(200, 100);
+  auto data = test::fmnist_folder(200, 100);
   REQUIRE(fs::exists(kPython));
   for (std::string name : {"mobilenetv3_small_100", "mobilenetv2_100", "efficientnet_b0", "tf_efficientnet_b0",
                            "convnext_tiny"}) {
@@ -425,7 +391,7 @@ void expect_same_state(const fs::path& a, const fs::path& b) {
 }  // namespace
 
 TEST_CASE("resume is exact: 2 epochs straight equal 1 + resume + 1, and a mid-epoch recovery point", "[integration]") {
-  auto data = fmnist_folder(200, 100);
+  auto data = test::fmnist_folder(200, 100);
   test::TempDir out("exact");
   const std::string args = " train --data-dir " + data + kSmallArgs + " -b 20 --model-ema --model-ema-decay 0.9 " +
                            "--drop-path 0.1 --mixup 0.2 --opt adamw --lr 1e-3 --sched-on-updates --warmup-epochs 1 " +
@@ -452,7 +418,7 @@ TEST_CASE("resume is exact: 2 epochs straight equal 1 + resume + 1, and a mid-ep
 }
 
 TEST_CASE("kill -9 mid-epoch, then resume from the recovery checkpoint and finish", "[integration]") {
-  auto data = fmnist_folder(200, 100);
+  auto data = test::fmnist_folder(200, 100);
   test::TempDir out("kill");
   const std::string args = " train --data-dir " + data + kSmallArgs + " -b 25 --epochs 3 --recovery-interval 2 " +
                            "--output " + out.path.string() + " --experiment k";
@@ -477,7 +443,7 @@ TEST_CASE("kill -9 mid-epoch, then resume from the recovery checkpoint and finis
 }
 
 TEST_CASE("every recipe in configs/ parses and trains (shrunk to a few steps on small images)", "[integration]") {
-  auto data = fmnist_folder(200, 100);
+  auto data = test::fmnist_folder(200, 100);
   test::TempDir out("recipes");
   for (std::string name : {"mobilenetv3_large_100", "resnet50_a1", "efficientnet_b0", "vit_small_patch16_224"}) {
     INFO(name);

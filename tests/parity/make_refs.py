@@ -295,6 +295,20 @@ for r in range(4):
     ds.set_epoch(3)
     sched[f'dsampler.{r}'] = torch.tensor(list(iter(ds)))
     sched[f'osampler.{r}'] = torch.tensor(list(iter(OrderedDistributedSampler(list(range(10)), num_replicas=4, rank=r))))
+# The same for several dataset sizes and world sizes, and timm's RepeatAugSampler (--aug-repeats).
+from timm.data.distributed_sampler import RepeatAugSampler
+for n in (1, 7, 10, 300, 515):
+    for w in (2, 3, 4, 8):
+        for r in range(w):
+            ds = DistributedSampler(list(range(n)), num_replicas=w, rank=r, shuffle=True, seed=7)
+            ds.set_epoch(5)
+            sched[f'dsampler.{n}.{w}.{r}'] = torch.tensor(list(iter(ds)), dtype=torch.int64)
+            sched[f'osampler.{n}.{w}.{r}'] = torch.tensor(
+                list(iter(OrderedDistributedSampler(list(range(n)), num_replicas=w, rank=r))), dtype=torch.int64)
+            for reps in (3, 2.5):
+                ra = RepeatAugSampler(list(range(n)), num_replicas=w, rank=r, num_repeats=reps)
+                ra.set_epoch(5)
+                sched[f'rsampler.{n}.{w}.{r}.{reps}'] = torch.tensor(list(iter(ra)), dtype=torch.int64)
 # timm's no-weight-decay parameter group of resnet18.
 model = timm.create_model('resnet18', num_classes=10)
 names = {id(p): k for k, p in model.named_parameters()}

@@ -291,6 +291,38 @@ TEST_CASE("training order is torch's randperm seeded with seed + epoch", "[parit
   }
 }
 
+TEST_CASE("sampler assignments for several dataset and world sizes, with padding and repeats, as torch and timm", "[parity]") {
+  auto st = load_ref("misc.safetensors");
+  auto vec = [](const at::Tensor& t) { return std::vector<int64_t>(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + t.numel()); };
+  for (int64_t n : {1, 7, 10, 300, 515})
+    for (int64_t w : {2, 3, 4, 8}) {
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(7 + 5);
+      auto perm = at::randperm(n, gen, at::TensorOptions().dtype(at::kLong));
+      std::vector<int64_t> shuffled = vec(perm), identity(static_cast<size_t>(n));
+      for (int64_t i = 0; i < n; ++i) identity[size_t(i)] = i;
+      for (int64_t r = 0; r < w; ++r) {
+        INFO("n " << n << " world " << w << " rank " << r);
+        const std::string key = fmt::format("{}.{}.{}", n, w, r);
+        CHECK(data::rank_share(shuffled, r, w) == vec(*st.find("dsampler." + key)));
+        CHECK(data::rank_share(identity, r, w) == vec(*st.find("osampler." + key)));  // evaluation, padded
+        for (double reps : {3.0, 2.5}) {
+          INFO("repeats " << reps);
+          auto keys = data::repeat_aug_share(n, 5, true, reps, r, w);
+          std::vector<int64_t> idx;
+          for (auto k : keys) idx.push_back(k % n);  // keys carry the copy number above n
+          const auto* want = st.find(fmt::format("rsampler.{}.{}", key, reps == 3.0 ? "3" : "2.5"));
+          REQUIRE(want != nullptr);
+          CHECK(idx == vec(*want));
+          CHECK(keys.size() == data::repeat_aug_samples(n, reps, w));
+        }
+      }
+    }
+  // Copies of one sample carry distinct keys (so distinct augmentation draws).
+  auto keys = data::repeat_aug_share(10, 0, true, 3, 0, 1);
+  std::set<int64_t> distinct(keys.begin(), keys.end());
+  CHECK(distinct.size() == keys.size());
+}
+
 TEST_CASE("no-weight-decay group and smoothed cross entropy match timm", "[parity][optim]") {
   auto st = load_ref("misc.safetensors");
   auto want = nlohmann::json::parse(st.metadata.at("no_decay")).get<std::vector<std::string>>();

@@ -1,0 +1,429 @@
+// c10d glue: store, process group, DDP's reducer, SyncBatchNorm, trainer collectives.
+// The torch wheel compiles c10d with Gloo (and NCCL in CUDA builds); its headers show those
+// classes only when told.
+#define USE_C10D_GLOO
+#ifdef IMGTRAIN_WITH_CUDA
+#define USE_C10D_NCCL
+#endif
+#include "dist/dist.h"
+
+#include "core/error.h"
+#include "core/log.h"
+
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <torch/csrc/distributed/c10d/comm.hpp>
+#include <torch/csrc/distributed/c10d/reducer.hpp>
+#ifdef IMGTRAIN_WITH_CUDA
+#include <c10/cuda/CUDAFunctions.h>
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+#include <torch/torch.h>
+
+#include <fmt/ranges.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdlib>
+#include <mutex>
+#include <thread>
+
+namespace imgtrain::dist {
+namespace {
+
+using Ms = std::chrono::milliseconds;
+
+int64_t now_ms() {
+  return std::chrono::duration_cast<Ms>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+// The job's process group, counting what it runs: the tests check that accumulation micro-steps
+// do not all-reduce, and the trainer reports the counts.
+class CountingGroup : public c10d::ProcessGroup {
+ public:
+  using c10d::ProcessGroup::ProcessGroup;
+  std::atomic<int64_t> allreduces{0}, others{0};
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& t,
+                                           const c10d::AllreduceOptions& o = c10d::AllreduceOptions()) override {
+    ++allreduces;
+    return c10d::ProcessGroup::allreduce(t, o);
+  }
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& t,
+                                           const c10d::BroadcastOptions& o = c10d::BroadcastOptions()) override {
+    ++others;
+    return c10d::ProcessGroup::broadcast(t, o);
+  }
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& out, std::vector<at::Tensor>& in,
+                                           const c10d::AllgatherOptions& o = c10d::AllgatherOptions()) override {
+    ++others;
+    return c10d::ProcessGroup::allgather(out, in, o);
+  }
+};
+
+std::shared_ptr<::gloo::transport::Device> gloo_device(const DistEnv& env) {
+  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname && *ifname)
+    return c10d::ProcessGroupGloo::createDeviceForInterface(ifname);
+  if (env.master_addr == "127.0.0.1" || env.master_addr == "localhost")
+    return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
+  return c10d::ProcessGroupGloo::createDefaultDevice();
+}
+
+// DDP's reducer, set up as torch.nn.parallel.DistributedDataParallel does with its defaults:
+// one bucket for the first iteration, rebuilt in gradient-ready order into bucket_cap buckets
+// (the first one 1 MiB) before the second; buffers broadcast from rank 0 before every forward
+// that follows a synchronised one (broadcast_buffers=True, timm's default unless --no-ddp-bb).
+class ReducerSync : public GradSync {
+ public:
+  ReducerSync(c10::intrusive_ptr<c10d::ProcessGroup> pg, torch::nn::Module& m, double cap_mb, bool broadcast_buffers)
+      : pg_(std::move(pg)) {
+    std::vector<at::Tensor> params;
+    std::unordered_map<size_t, std::string> names;
+    for (auto& p : m.named_parameters()) {
+      if (!p.value().requires_grad()) continue;
+      names[params.size()] = p.key();
+      params.push_back(p.value());
+    }
+    if (broadcast_buffers) buffers_ = m.buffers();
+    auto [buckets, limits] = c10d::compute_bucket_assignment_by_size(params, {size_t(INT64_MAX)});
+    std::reverse(buckets.begin(), buckets.end());
+    const int64_t cap = int64_t(cap_mb * 1024 * 1024);
+    const bool default_cap = cap_mb == 25.0;
+    reducer_ = std::make_shared<c10d::Reducer>(params, buckets, pg_, std::vector<bool>(params.size(), false), cap,
+                                               /*find_unused_parameters=*/false, /*gradient_as_bucket_view=*/false,
+                                               names, default_cap ? int64_t(1024 * 1024) : cap,
+                                               /*skip_all_reduce_unused_params=*/false,
+                                               /*use_python_reducer=*/false, std::vector<int64_t>{});
+    num_buckets_ = int64_t(buckets.size());
+  }
+  void before_forward(bool sync) override {
+    if (sync) reducer_->prepare_for_forward();
+    if (reducer_->rebuild_buckets()) num_buckets_ = int64_t(reducer_->get_grad_buckets(false).size());
+    if (buffers_sync_ && !buffers_.empty()) {
+      torch::NoGradGuard ng;
+      c10d::broadcast_coalesced(pg_, buffers_, 250u << 20, 0);
+    }
+  }
+  void after_forward(bool sync) override {
+    if (sync) reducer_->prepare_for_backward({});
+    buffers_sync_ = sync;
+  }
+  int64_t num_buckets() const override { return num_buckets_; }
+
+ private:
+  c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+  std::shared_ptr<c10d::Reducer> reducer_;
+  std::vector<at::Tensor> buffers_;
+  bool buffers_sync_ = true;
+  int64_t num_buckets_ = 0;
+};
+
+// torch.nn.SyncBatchNorm's training step on any device: per-rank mean and biased variance, all
+// gathered with the counts and combined exactly (no E[x^2] - E[x]^2 cancellation); in backward,
+// the sums of dy and dy * (x - mean) all-reduced so that the input gradient is the one of the
+// whole global batch. Weight and bias gradients stay local; the reducer averages them.
+class SyncBatchNorm : public SyncBatchNormHook {
+ public:
+  explicit SyncBatchNorm(Context* ctx) : ctx_(ctx) {}
+  at::Tensor forward(torch::nn::BatchNorm2dImpl& bn, const at::Tensor& x) override;
+
+ private:
+  Context* ctx_;
+};
+
+struct SyncBatchNormFn : torch::autograd::Function<SyncBatchNormFn> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ac, const at::Tensor& x, const at::Tensor& weight,
+                            const at::Tensor& bias, const at::Tensor& mean, const at::Tensor& invstd,
+                            int64_t total_count, int64_t ctx_ptr) {
+    const std::vector<int64_t> shape{1, -1, 1, 1};
+    const auto ct = mean.scalar_type();  // float32, or float64 for float64 inputs
+    auto xf = x.to(ct);
+    auto scale = invstd * weight.to(ct);
+    auto shift = bias.to(ct) - mean * scale;
+    auto y = (xf * scale.view(shape) + shift.view(shape)).to(x.scalar_type());
+    ac->save_for_backward({x, weight, mean, invstd});
+    ac->saved_data["count"] = total_count;
+    ac->saved_data["ctx"] = ctx_ptr;
+    return y;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ac,
+                                                 torch::autograd::variable_list grads) {
+    auto saved = ac->get_saved_variables();
+    const auto& x = saved[0];
+    const auto& weight = saved[1];
+    const auto& mean = saved[2];
+    const auto& invstd = saved[3];
+    auto* ctx = reinterpret_cast<Context*>(ac->saved_data["ctx"].toInt());
+    const double count = double(ac->saved_data["count"].toInt());
+    const std::vector<int64_t> shape{1, -1, 1, 1};
+    const auto ct = mean.scalar_type();
+    auto dy = grads[0].to(ct);
+    auto xmu = x.to(ct) - mean.view(shape);
+    auto sum_dy = dy.sum({0, 2, 3});
+    auto sum_dy_xmu = (dy * xmu).sum({0, 2, 3});
+    auto grad_weight = (sum_dy_xmu * invstd).to(weight.scalar_type());
+    auto grad_bias = sum_dy.to(weight.scalar_type());
+    auto both = at::cat({sum_dy, sum_dy_xmu});
+    ctx->all_reduce_sum_(both);
+    const int64_t c = mean.size(0);
+    auto mean_dy = both.narrow(0, 0, c) / count, mean_dy_xmu = both.narrow(0, c, c) / count;
+    auto gx = (dy - mean_dy.view(shape) - xmu * (invstd * invstd * mean_dy_xmu).view(shape)) *
+              (invstd * weight.to(ct)).view(shape);
+    return {gx.to(x.scalar_type()), grad_weight, grad_bias, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor SyncBatchNorm::forward(torch::nn::BatchNorm2dImpl& bn, const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 4, "SyncBatchNorm: expected a 4-D input");
+  const int64_t c = x.size(1);
+  at::Tensor mean, invstd;
+  int64_t total = 0;
+  const auto ct = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  {
+    torch::NoGradGuard ng;
+    auto xf = x.detach().to(ct);
+    auto [var, m] = at::var_mean(xf, {0, 2, 3}, /*correction=*/0, /*keepdim=*/false);
+    const double n = double(x.size(0) * x.size(2) * x.size(3));
+    auto local = at::cat({m, var, at::full({1}, n, m.options())}).to(at::kDouble);
+    auto all = ctx_->all_gather(local).to(x.device());  // [W, 2C + 1]
+    auto counts = all.select(1, 2 * c);
+    const double total_n = counts.sum().item<double>();
+    auto means = all.narrow(1, 0, c), vars = all.narrow(1, c, c);
+    auto w = (counts / total_n).unsqueeze(1);
+    auto gmean = (means * w).sum(0);
+    auto gvar = ((vars + (means - gmean).pow(2)) * w).sum(0);
+    mean = gmean.to(ct);
+    invstd = (gvar + bn.options.eps()).rsqrt().to(ct);
+    total = int64_t(total_n);
+    if (bn.options.track_running_stats() && bn.running_mean.defined()) {
+      const double mom = bn.options.momentum().value_or(0.1);
+      auto unbiased = gvar * (total_n / std::max(total_n - 1.0, 1.0));
+      bn.running_mean.mul_(1 - mom).add_(gmean.to(bn.running_mean.scalar_type()), mom);
+      bn.running_var.mul_(1 - mom).add_(unbiased.to(bn.running_var.scalar_type()), mom);
+      bn.num_batches_tracked.add_(1);
+    }
+  }
+  at::Tensor weight = bn.weight.defined() ? bn.weight : at::ones({c}, x.options().dtype(ct));
+  at::Tensor bias = bn.bias.defined() ? bn.bias : at::zeros({c}, x.options().dtype(ct));
+  return SyncBatchNormFn::apply(x, weight, bias, mean, invstd, total,
+                                int64_t(reinterpret_cast<intptr_t>(ctx_)));
+}
+
+class C10dContext : public Context {
+ public:
+  C10dContext(const DistEnv& env, const InitOptions& o) {
+    env_ = env;
+    device_ = o.device;
+    backend_ = o.backend == "auto" ? (o.device.is_cuda() ? "nccl" : "gloo") : o.backend;
+    if (backend_ == "nccl" && !o.device.is_cuda())
+      throw UserError("--dist-backend nccl needs --device cuda (use gloo on CPUs)");
+    const auto timeout = std::chrono::duration_cast<Ms>(o.timeout);
+    c10d::TCPStoreOptions so;
+    so.port = uint16_t(env.master_port);
+    so.isServer = !env.use_agent_store && env.rank == 0;
+    so.numWorkers = size_t(env.world_size);
+    so.waitWorkers = false;
+    so.timeout = timeout;
+    c10::intrusive_ptr<c10d::Store> base;
+    try {
+      base = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
+      c10d::TCPStoreOptions ho = so;  // a second connection for the heartbeat thread
+      ho.isServer = false;
+      heartbeat_store_ = c10::make_intrusive<c10d::PrefixStore>(
+          store_prefix(env), c10::make_intrusive<c10d::TCPStore>(env.master_addr, ho));
+    } catch (const std::exception& e) {
+      throw UserError(fmt::format("rank {}: cannot reach the rendezvous store at {}:{} ({})", env.rank,
+                                  env.master_addr, env.master_port, first_line(e.what())));
+    }
+    store_ = c10::make_intrusive<c10d::PrefixStore>(store_prefix(env), base);
+    server_ = so.isServer ? base : c10::intrusive_ptr<c10d::Store>();
+    start_heartbeat();
+    pg_ = c10::make_intrusive<CountingGroup>(store_, int(env.rank), int(env.world_size));
+    if (backend_ == "gloo") {
+      auto go = c10d::ProcessGroupGloo::Options::create(timeout);
+      go->devices.push_back(gloo_device(env));
+      auto gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(
+          c10::make_intrusive<c10d::PrefixStore>("gloo/", store_), int(env.rank), int(env.world_size), go);
+      pg_->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO, gloo);
+      if (o.device.is_cuda()) pg_->setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::BackendType::GLOO, gloo);
+      pg_->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
+    } else if (backend_ == "nccl") {
+#ifdef IMGTRAIN_WITH_CUDA
+      c10::cuda::set_device(o.device.index());
+      auto no = c10d::ProcessGroupNCCL::Options::create();
+      no->timeout = timeout;
+      auto nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(
+          c10::make_intrusive<c10d::PrefixStore>("nccl/", store_), int(env.rank), int(env.world_size), no);
+      pg_->setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::BackendType::NCCL, nccl);
+      pg_->setDefaultBackend(c10d::ProcessGroup::BackendType::NCCL);
+#else
+      throw UserError("--dist-backend nccl: this build has no CUDA support");
+#endif
+    } else {
+      throw UserError(fmt::format("--dist-backend '{}': expected auto, gloo or nccl", backend_));
+    }
+  }
+  ~C10dContext() override {
+    {
+      std::lock_guard<std::mutex> lk(hb_mu_);
+      hb_stop_ = true;
+    }
+    hb_cv_.notify_all();
+    if (hb_thread_.joinable()) hb_thread_.join();
+  }
+
+  void all_reduce_sum_(at::Tensor& t) override {
+    ++own_allreduce_;
+    auto dev = on_device(t);
+    std::vector<at::Tensor> v{dev};
+    pg_->allreduce(v)->wait();
+    if (!dev.is_same(t)) t.copy_(dev);
+  }
+  void broadcast_(std::vector<at::Tensor> ts, int64_t root) override {
+    torch::NoGradGuard ng;
+    c10d::broadcast_coalesced(pg_, ts, 250u << 20, int(root));
+  }
+  at::Tensor all_gather(const at::Tensor& t) override {
+    std::vector<at::Tensor> in{on_device(t).contiguous()};
+    std::vector<std::vector<at::Tensor>> out(1);
+    for (int64_t r = 0; r < env_.world_size; ++r) out[0].push_back(at::empty_like(in[0]));
+    pg_->allgather(out, in)->wait();
+    return at::stack(out[0]).to(t.device());
+  }
+  void barrier() override {
+    pg_->barrier()->wait();
+  }
+  int64_t allreduce_calls() const override { return pg_->allreduces; }
+
+  void broadcast_model(torch::nn::Module& m) override {
+    torch::NoGradGuard ng;
+    auto params = m.parameters();
+    c10d::verify_params_across_processes(pg_, params, std::nullopt);
+    auto states = params;
+    for (auto& b : m.buffers()) states.push_back(b);
+    broadcast_(states, 0);
+  }
+  std::unique_ptr<GradSync> grad_sync(torch::nn::Module& m, double cap_mb, bool broadcast_buffers) override {
+    return std::make_unique<ReducerSync>(pg_, m, cap_mb, broadcast_buffers);
+  }
+  void convert_sync_batchnorm(torch::nn::Module& m) override {
+    auto hook = std::make_shared<SyncBatchNorm>(this);
+    int n = 0;
+    for (auto& mod : m.modules(/*include_self=*/true))
+      if (auto* bn = dynamic_cast<imgtrain::BatchNorm2dImpl*>(mod.get())) {
+        bn->sync = hook;
+        ++n;
+      }
+    if (n == 0) log::warn("--sync-bn: the model has no BatchNorm layers; nothing to synchronise");
+    else log::info("Converted model to use Synchronized BatchNorm ({} layers).", n);
+  }
+
+  std::optional<PeerLost> explain(const std::exception& e) override {
+    // Heartbeats advance once a second; a rank whose value stands still for 3 s is gone.
+    auto read = [&]() {
+      std::vector<int64_t> v(size_t(env_.world_size), -1);
+      for (int64_t r = 0; r < env_.world_size; ++r) {
+        const std::string key = fmt::format("hb/{}", r);
+        if (!heartbeat_store_->check({key})) continue;
+        auto bytes = heartbeat_store_->get(key);
+        v[size_t(r)] = std::stoll(std::string(bytes.begin(), bytes.end()));
+      }
+      return v;
+    };
+    const std::string what = first_line(e.what());
+    try {
+      auto before = read();
+      std::this_thread::sleep_for(std::chrono::milliseconds(3200));
+      auto after = read();
+      std::vector<std::string> gone;
+      for (int64_t r = 0; r < env_.world_size; ++r)
+        if (r != env_.rank && after[size_t(r)] == before[size_t(r)]) gone.push_back(std::to_string(r));
+      if (!gone.empty())
+        return PeerLost(fmt::format("rank {}: rank {} stopped (no heartbeat for 3 s) during a collective; giving up "
+                                    "({})",
+                                    env_.rank, fmt::join(gone, ", "), what));
+      return std::nullopt;
+    } catch (const std::exception&) {
+      const std::string host = env_.use_agent_store ? "the launcher, which hosts the store," : "rank 0, which hosts the store,";
+      return PeerLost(fmt::format("rank {}: a collective failed and {} is unreachable ({})", env_.rank, host, what));
+    }
+  }
+
+ private:
+  static std::string first_line(const std::string& s) {
+    auto nl = s.find('\n');
+    return nl == std::string::npos ? s : s.substr(0, nl);
+  }
+  at::Tensor on_device(const at::Tensor& t) const {
+    return backend_ == "nccl" && !t.is_cuda() ? t.to(device_) : t;
+  }
+  void start_heartbeat() {
+    hb_thread_ = std::thread([this] {
+      std::unique_lock<std::mutex> lk(hb_mu_);
+      const std::string key = fmt::format("hb/{}", env_.rank);
+      int64_t beat = 0;
+      while (!hb_stop_) {
+        try {
+          heartbeat_store_->set(key, std::to_string(++beat));
+        } catch (const std::exception&) {
+          return;  // the store is gone; collectives will say so
+        }
+        hb_cv_.wait_for(lk, std::chrono::seconds(1));
+      }
+    });
+  }
+
+  c10::Device device_ = c10::kCPU;
+  c10::intrusive_ptr<c10d::Store> store_, server_, heartbeat_store_;
+  c10::intrusive_ptr<CountingGroup> pg_;
+  std::thread hb_thread_;
+  std::mutex hb_mu_;
+  std::condition_variable hb_cv_;
+  bool hb_stop_ = false;
+};
+
+}  // namespace
+
+std::shared_ptr<Context> Context::init(const DistEnv& env, const InitOptions& o) {
+  return std::make_shared<C10dContext>(env, o);
+}
+
+void Context::distribute_bn(torch::nn::Module& m, bool reduce) {
+  torch::NoGradGuard ng;
+  std::vector<at::Tensor> stats;
+  for (auto& b : m.named_buffers())
+    if (b.key().find("running_mean") != std::string::npos || b.key().find("running_var") != std::string::npos)
+      stats.push_back(b.value());
+  if (stats.empty()) return;
+  if (!reduce) {
+    broadcast_(stats, 0);
+    return;
+  }
+  std::vector<at::Tensor> flat_in;
+  for (auto& s : stats) flat_in.push_back(s.reshape(-1));
+  auto flat = at::cat(flat_in);
+  all_reduce_sum_(flat);
+  flat.div_(double(world()));
+  int64_t off = 0;
+  for (auto& s : stats) {
+    s.copy_(flat.narrow(0, off, s.numel()).view_as(s));
+    off += s.numel();
+  }
+}
+
+std::vector<double> Context::mean(const std::vector<double>& v) {
+  auto t = at::tensor(v, at::kDouble);
+  all_reduce_sum_(t);
+  t.div_(double(world()));
+  return std::vector<double>(t.data_ptr<double>(), t.data_ptr<double>() + t.numel());
+}
+
+bool Context::any(bool flag) {
+  auto t = at::full({1}, flag ? 1.0 : 0.0, at::kDouble);
+  all_reduce_sum_(t);
+  return t.item<double>() > 0;
+}
+
+}  // namespace imgtrain::dist

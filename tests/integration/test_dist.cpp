@@ -1,0 +1,163 @@
+// Data-parallel training through the real binary: 2 processes on localhost with Gloo, launched by
+// imgtrain itself and by the venv's torchrun. Label `dist`.
+#include "integration/fixtures.h"
+#include "io/safetensors.h"
+#include "test_util.h"
+
+#include <catch2/catch.hpp>
+#include <torch/torch.h>
+
+#include <regex>
+
+namespace fs = std::filesystem;
+using namespace imgtrain;
+
+namespace {
+
+const std::string kBin = IMGTRAIN_BIN;
+const std::string kTorchrun = std::string(IMGTRAIN_SOURCE_DIR) + "/.venv/bin/torchrun";
+
+bool identical(const std::string& a, const std::string& b, const std::string& prefix) {
+  auto x = io::load_safetensors(a), y = io::load_safetensors(b);
+  for (auto& [k, t] : x.tensors)
+    if (k.rfind(prefix, 0) == 0 && (!y.find(k) || !at::equal(t, *y.find(k)))) return false;
+  return true;
+}
+
+// PIDs of the children of a process (under `timeout`: the launcher, then its workers), oldest
+// first, from /proc.
+const std::string kChildren =
+    "children() { for s in /proc/[0-9]*/status; do awk -v p=$1 '/^PPid:/ { if ($2 == p) print FILENAME }' $s "
+    "2>/dev/null; done | cut -d/ -f3 | sort -n; }; ";
+
+}  // namespace
+
+TEST_CASE("2 processes x batch b equal 1 process x batch 2b after one step (no BN, and BN with --sync-bn)", "[dist]") {
+  // 16 training images: one batch of 8 per rank, or one of 16 in a single process.
+  auto data = test::fmnist_folder(16, 16);
+  for (std::string model : {"vit_tiny_patch16_224", "resnet18"}) {
+    DYNAMIC_SECTION(model) {
+      test::TempDir out("dist-union");
+      const std::string common = " train --data-dir " + data + " --model " + model +
+                                 " --img-size 32 --in-chans 1 --num-classes 10 --no-aug --lr 0.05 --warmup-epochs 0 --epochs 1"
+                                 " --opt sgd --momentum 0.9 --weight-decay 1e-4 --device cpu -j 1 --output " +
+                                 out.path.string();
+      const std::string bn = model == "resnet18" ? " --sync-bn" : "";
+      auto two = test::run(kBin + common + " -b 8 --nproc-per-node 2 --experiment two" + bn);
+      INFO(two.output);
+      REQUIRE(two.code == 0);
+      CHECK_THAT(two.output, Catch::Contains("Process 0, total 2"));
+      if (!bn.empty()) CHECK_THAT(two.output, Catch::Contains("Synchronized BatchNorm"));
+      auto one = test::run(kBin + common + " -b 16 --experiment one");
+      INFO(one.output);
+      REQUIRE(one.code == 0);
+      const std::string a = out / "two/last.safetensors", b = out / "one/last.safetensors";
+      // The momentum buffers after one SGD step are the averaged gradients (+ weight decay).
+      // Without BatchNorm: 1e-5. Through 20 BatchNorms on 16 samples float32 rounding alone moves
+      // the result by ~1e-4 of a tensor's scale (the 1-process run with 1 vs 2 threads differs by
+      // 1.1e-4); SyncBN's exactness is shown in float64 by the unit test.
+      const double tol = bn.empty() ? 1e-5 : 2e-4;
+      for (std::string prefix : {"optim.", "model."}) {
+        auto x = io::load_safetensors(a), y = io::load_safetensors(b);
+        int64_t n = 0;
+        for (auto& [k, t] : x.tensors) {
+          if (k.rfind(prefix, 0) != 0 || !t.is_floating_point()) continue;
+          const at::Tensor* u = y.find(k);
+          REQUIRE(u != nullptr);
+          const double scale = std::max(u->abs().max().item<double>(), 1e-3);
+          INFO(k);
+          CHECK((t.to(at::kDouble) - u->to(at::kDouble)).abs().max().item<double>() <= tol * scale);
+          ++n;
+        }
+        CHECK(n > 10);
+      }
+    }
+  }
+}
+
+TEST_CASE("self-launch and torchrun --no-python give identical weights", "[dist]") {
+  auto data = test::fmnist_folder(64, 32);
+  test::TempDir out("dist-launch");
+  const std::string args = " train --data-dir " + data +
+                           " --model resnet18 --img-size 28 --in-chans 1 -b 8 --lr 0.05 --warmup-epochs 0 --epochs 2"
+                           " --device cpu -j 1 --log-interval 1 --output " + out.path.string();
+  auto self = test::run(kBin + args + " --nproc-per-node 2 --experiment self");
+  INFO(self.output);
+  REQUIRE(self.code == 0);
+  auto tr = test::run(kTorchrun + " --standalone --nproc-per-node 2 --no-python " + kBin + args + " --experiment tr");
+  INFO(tr.output);
+  REQUIRE(tr.code == 0);
+  CHECK_THAT(tr.output, Catch::Contains("Process 0, total 2"));
+  CHECK(identical(out / "self/last.safetensors", out / "tr/last.safetensors", "model."));
+  CHECK(identical(out / "self/last.safetensors", out / "tr/last.safetensors", "optim."));
+  // Only rank 0 writes: one summary row per epoch.
+  CHECK(test::read_csv(out / "self/summary.csv").size() == 3);
+}
+
+TEST_CASE("gradient accumulation: micro-steps without an update do not all-reduce", "[dist]") {
+  auto data = test::fmnist_folder(64, 32);
+  test::TempDir out("dist-accum");
+  // 64 images / 2 ranks / batch 4 = 8 micro-batches per rank and epoch.
+  const std::string args = " train --data-dir " + data +
+                           " --model vit_tiny_patch16_224 --img-size 32 --in-chans 1 -b 4 --lr 0.01 --epochs 1"
+                           " --bucket-cap-mb 1 --device cpu -j 1 --nproc-per-node 2 --output " + out.path.string();
+  std::regex line("Distributed: ([0-9]+) gradient all-reduce\\(s\\) for ([0-9]+) update\\(s\\) of ([0-9]+) "
+                  "micro-batch\\(es\\); ([0-9]+) bucket\\(s\\)");
+  for (int accum : {1, 2, 4}) {
+    DYNAMIC_SECTION("accum " << accum) {
+      auto r = test::run(kBin + args + " --grad-accum-steps " + std::to_string(accum) + " --experiment a" +
+                         std::to_string(accum));
+      INFO(r.output);
+      REQUIRE(r.code == 0);
+      std::smatch m;
+      REQUIRE(std::regex_search(r.output, m, line));
+      const int64_t reduces = std::stoll(m[1]), updates = std::stoll(m[2]), micro = std::stoll(m[3]),
+                    buckets = std::stoll(m[4]);
+      CHECK(micro == 8);
+      CHECK(updates == 8 / accum);
+      CHECK(buckets > 2);  // 5.5 M parameters in 1 MiB buckets
+      // The first update's backward uses one bucket (DDP rebuilds them after it); every later
+      // update all-reduces each bucket once, and no micro-step in between does.
+      CHECK(reduces == 1 + (updates - 1) * buckets);
+    }
+  }
+}
+
+TEST_CASE("a killed worker stops the job: the other exits non-zero and the launcher names the rank", "[dist]") {
+  auto data = test::fmnist_folder();
+  test::TempDir out("dist-kill");
+  const std::string args = " train --data-dir " + data +
+                           " --model resnet18 --img-size 28 --in-chans 1 -b 25 --lr 0.05 --epochs 3 --device cpu -j 1"
+                           " --log-interval 1 --nproc-per-node 2 --dist-timeout 60 --experiment k --output " +
+                           out.path.string();
+  const std::string log = out / "launcher.log";
+  auto r = test::run(kChildren + "timeout 300 " + kBin + args + " > " + log + " 2>&1 & L=$!; " +
+                     "for i in $(seq 600); do grep -q 'Train: 0 \\[   2/' " + log + " && break; sleep 0.1; done; " +
+                     "kill -9 $(children $(children $L) | tail -1); wait $L; echo launcher-exit=$?");
+  const std::string text = test::read_file(log);
+  INFO(r.output << text);
+  CHECK_THAT(r.output, Catch::Contains("launcher-exit=1"));
+  CHECK_THAT(text, Catch::Contains("worker rank 1 (local rank 1") && Catch::Contains("killed by signal 9"));
+  CHECK_THAT(text, Catch::Contains("rank 0: rank 1 stopped"));
+  CHECK_THAT(text, !Catch::Contains("*** Best metric"));
+}
+
+TEST_CASE("torchrun --max-restarts 1 with a worker killed once: --resume auto continues and finishes", "[dist]") {
+  auto data = test::fmnist_folder();
+  test::TempDir out("dist-restart");
+  const std::string args = " train --data-dir " + data +
+                           " --model resnet18 --img-size 28 --in-chans 1 -b 25 --lr 0.05 --epochs 2 --device cpu -j 1"
+                           " --log-interval 5 --recovery-interval 10 --resume auto --experiment job --output " +
+                           out.path.string();
+  const std::string log = out / "torchrun.log";
+  auto r = test::run(kChildren + "timeout 600 " + kTorchrun + " --standalone --nproc-per-node 2 --max-restarts 1 " +
+                     "--no-python " + kBin + args + " > " + log + " 2>&1 & T=$!; " +
+                     "for i in $(seq 1200); do ls " + out.path.string() +
+                     "/job/recovery-*.safetensors >/dev/null 2>&1 && break; sleep 0.1; done; " +
+                     "kill -9 $(children $(children $T) | tail -1); wait $T; echo torchrun-exit=$?");
+  const std::string text = test::read_file(log);
+  INFO(r.output << text);
+  CHECK_THAT(r.output, Catch::Contains("torchrun-exit=0"));
+  CHECK_THAT(text, Catch::Contains("Resumed from checkpoint") && Catch::Contains("*** Best metric"));
+  CHECK(test::read_csv(out / "job/summary.csv").size() == 3);
+}
