@@ -14,28 +14,35 @@
 
 namespace imgtrain::app {
 
+namespace {
+// --nproc-per-node N: this process becomes the launcher of N workers running the same command
+// line; a worker (started by us, torchrun or srun) ignores the flag.
+std::optional<int> launch_workers(const cli::Config& cfg, const char* command, const std::vector<std::string>& args) {
+  if (cfg.nproc_per_node == 0 || dist::launched_worker()) return std::nullopt;
+  dist::LaunchOptions lo;
+  lo.nproc_per_node = cfg.nproc_per_node;
+  lo.nnodes = cfg.nnodes;
+  lo.node_rank = cfg.node_rank;
+  lo.master_addr = cfg.master_addr;
+  lo.master_port = cfg.master_port;
+  std::vector<std::string> argv{"imgtrain", command};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return dist::launch(lo, argv);
+}
+}  // namespace
+
 int train(const std::vector<std::string>& args) {
   auto cfg = cli::parse(cli::Command::Train, args);
   if (!cfg) return 0;
-  // --nproc-per-node N: this process becomes the launcher of N workers running the same command
-  // line; a worker (started by us, torchrun or srun) ignores the flag.
-  if (cfg->nproc_per_node > 0 && !dist::launched_worker()) {
-    dist::LaunchOptions lo;
-    lo.nproc_per_node = cfg->nproc_per_node;
-    lo.nnodes = cfg->nnodes;
-    lo.node_rank = cfg->node_rank;
-    lo.master_addr = cfg->master_addr;
-    lo.master_port = cfg->master_port;
-    std::vector<std::string> argv{"imgtrain", "train"};
-    argv.insert(argv.end(), args.begin(), args.end());
-    return dist::launch(lo, argv);
-  }
+  if (auto rc = launch_workers(*cfg, "train", args)) return *rc;
   return engine::train(*cfg);
 }
 
 int benchmark(const std::vector<std::string>& args) {
   auto cfg = cli::parse(cli::Command::Benchmark, args);
-  return cfg ? engine::benchmark(*cfg) : 0;
+  if (!cfg) return 0;
+  if (auto rc = launch_workers(*cfg, "benchmark", args)) return *rc;
+  return engine::benchmark(*cfg);
 }
 
 int validate(const std::vector<std::string>& args) {

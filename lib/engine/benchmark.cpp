@@ -1,5 +1,6 @@
 #include "core/error.h"
 #include "core/log.h"
+#include "dist/dist.h"
 #include "engine/trainer.h"
 #include "model_zoo/registry.h"
 
@@ -23,7 +24,20 @@ double now_s(torch::Device dev) {
 }  // namespace
 
 int benchmark(const cli::Config& cfg) {
-  const auto device = resolve_device(cfg.device);
+  auto device = resolve_device(cfg.device);
+  // Under a launcher the train benchmark is data parallel: each process steps its own batch and
+  // the gradients are all-reduced as in training (the reported step time is rank 0's).
+  const auto denv = dist::read_env();
+  std::shared_ptr<dist::Context> ctx;
+  if (denv.distributed()) {
+    log::set_rank(int(denv.rank));
+    if (device.is_cuda()) device = torch::Device(torch::kCUDA, c10::DeviceIndex(denv.local_rank));
+    dist::InitOptions io;
+    io.backend = cfg.dist_backend;
+    io.timeout = std::chrono::seconds(cfg.dist_timeout);
+    io.device = device;
+    ctx = dist::Context::init(denv, io);
+  }
   const Amp amp = resolve_amp(cfg);
   const auto& d = model_zoo::model_defaults(cfg.model);
   // timm: the test input size unless --img-size or --use-train-size.
@@ -47,6 +61,11 @@ int benchmark(const cli::Config& cfg) {
     params = model_zoo::count_params(*model);
     model->to(device);
     if (cfg.channels_last) to_channels_last(*model);
+    std::unique_ptr<dist::GradSync> sync;
+    if (ctx && train) {
+      ctx->broadcast_model(*model);
+      sync = ctx->grad_sync(*model, cfg.bucket_cap_mb, true);
+    }
     auto x = torch::randn({b, margs.in_chans, img, img}, torch::TensorOptions().device(device));
     if (cfg.channels_last) x = x.contiguous(at::MemoryFormat::ChannelsLast);
     std::unique_ptr<optim::Optimizer> opt;
@@ -71,7 +90,9 @@ int benchmark(const cli::Config& cfg) {
         at::Tensor loss;
         {
           AutocastScope ac(amp.enabled, device.type(), amp.dtype);
+          if (sync) sync->before_forward(true);
           auto out = model->forward(x);
+          if (sync) sync->after_forward(true);
           auto target = torch::empty({out.size(0)}, torch::TensorOptions().dtype(torch::kLong).device(device))
                             .random_(margs.num_classes);
           loss = torch::nn::functional::cross_entropy(out, target);
@@ -103,10 +124,30 @@ int benchmark(const cli::Config& cfg) {
     results[prefix + "step_time"] = round_to(1000.0 * total / double(cfg.num_bench_iter), 3);
     results[prefix + "batch_size"] = b;
     results[prefix + "img_size"] = img;
+    if (sync) {
+      // The same bytes as the gradients in one plain all-reduce, for comparison with the step's
+      // exposed communication time (median of 5).
+      int64_t n = 0;
+      for (auto& p : model->parameters()) n += p.numel();
+      auto flat = torch::zeros({n}, model->parameters().front().options());
+      std::vector<double> times;
+      for (int i = 0; i < 6; ++i) {
+        ctx->barrier();
+        const double t0 = now_s(device);
+        ctx->all_reduce_sum_(flat);
+        if (i) times.push_back(now_s(device) - t0);
+      }
+      std::sort(times.begin(), times.end());
+      results["world_size"] = ctx->world();
+      results["grad_buckets"] = sync->num_buckets();
+      results["allreduce_bytes"] = n * int64_t(flat.element_size());
+      results["allreduce_ms"] = round_to(1000.0 * times[times.size() / 2], 3);
+    }
   };
   if (cfg.bench != "train") run(false);
   if (cfg.bench != "inference") run(true);
   results["param_count"] = round_to(double(params) / 1e6, 2);
+  if (ctx && ctx->rank() != 0) return 0;
   std::printf("--result\n%s\n", results.dump(4).c_str());
   write_results(cfg.results_file, cfg.results_format, results);
   return 0;

@@ -469,11 +469,6 @@ int train(const cli::Config& cfg) {
     io.timeout = std::chrono::seconds(cfg.dist_timeout);
     io.device = device;
     ctx = dist::Context::init(denv, io);
-    log::info("Training in distributed mode with multiple processes, 1 device per process. Process {}, total {}, "
-              "device {} ({}).",
-              denv.rank, denv.world_size, device.str(), ctx->backend());
-  } else {
-    log::info("Training with a single process on 1 device ({}).", device.str());
   }
   try {
     return fit(cfg, device, ctx.get());
@@ -512,6 +507,13 @@ int fit(const cli::Config& cfg, torch::Device device, dist::Context* ctx) {
     throw UserError(fmt::format("--batch-size {}: the train split has only {} images for {} process(es) (batches "
                                 "drop the remainder)", cfg.batch_size, train_ds->size(), world));
 
+  // (after the data checks, so that a user error stays one line)
+  if (ctx)
+    log::info("Training in distributed mode with multiple processes, 1 device per process. Process {}, total {}, "
+              "device {} ({}).",
+              rank, world, device.str(), ctx->backend());
+  else
+    log::info("Training with a single process on 1 device ({}).", device.str());
   ModelArgs margs;
   margs.num_classes = num_classes;
   margs.in_chans = dc.in_chans;

@@ -161,3 +161,29 @@ TEST_CASE("torchrun --max-restarts 1 with a worker killed once: --resume auto co
   CHECK_THAT(text, Catch::Contains("Resumed from checkpoint") && Catch::Contains("*** Best metric"));
   CHECK(test::read_csv(out / "job/summary.csv").size() == 3);
 }
+
+TEST_CASE("SIGTERM to the launcher: rank 0 writes a recovery checkpoint, every worker ends", "[dist]") {
+  auto data = test::fmnist_folder();
+  test::TempDir out("dist-term");
+  const std::string args = " train --data-dir " + data +
+                           " --model resnet18 --img-size 28 --in-chans 1 -b 25 --lr 0.05 --epochs 3 --device cpu -j 1"
+                           " --log-interval 1 --nproc-per-node 2 --experiment t --output " + out.path.string();
+  const std::string log = out / "launcher.log";
+  auto r = test::run(kChildren + kBin + args + " > " + log + " 2>&1 & L=$!; " +
+                     "for i in $(seq 600); do grep -q 'Train: 0 \\[   2/' " + log + " && break; sleep 0.1; done; " +
+                     "W=$(children $L); kill -TERM $L; wait $L; echo launcher-exit=$?; sleep 0.5; " +
+                     "for w in $W; do [ -e /proc/$w ] && echo still-running=$w; done; true");
+  const std::string text = test::read_file(log);
+  INFO(r.output << text);
+  CHECK_THAT(r.output, Catch::Contains("launcher-exit=143") && !Catch::Contains("still-running"));
+  CHECK_THAT(text, Catch::Contains("Stopped by signal 15 after update"));
+  bool recovery = false;
+  for (auto& e : fs::directory_iterator(out / "t"))
+    recovery |= e.path().filename().string().rfind("recovery-0-", 0) == 0;
+  CHECK(recovery);
+  // ... and the job resumes from it.
+  auto again = test::run(kBin + args + " --epochs 1 --resume auto");
+  INFO(again.output);
+  CHECK(again.code == 0);
+  CHECK_THAT(again.output, Catch::Contains("Resumed from checkpoint") && Catch::Contains("recovery-0-"));
+}
