@@ -57,31 +57,48 @@ IdxArray read_idx(const std::string& path) {
   return a;
 }
 
-cv::Mat decode_image(const std::string& bytes, const std::string& what) {
+bool is_jpeg(const std::string& bytes) {
   const auto* p = reinterpret_cast<const unsigned char*>(bytes.data());
-  if (bytes.size() >= 3 && p[0] == 0xFF && p[1] == 0xD8 && p[2] == 0xFF) {
-    tjhandle h = tjInitDecompress();
-    int w = 0, hgt = 0, subsamp = 0, colorspace = 0;
-    if (tjDecompressHeader3(h, p, (unsigned long)bytes.size(), &w, &hgt, &subsamp, &colorspace) != 0 || w <= 0 ||
-        hgt <= 0) {
-      std::string err = tjGetErrorStr2(h);
-      tjDestroy(h);
-      throw DecodeError(fmt::format("cannot decode JPEG '{}': {}", what, err));
-    }
-    bool gray = colorspace == TJCS_GRAY;
-    cv::Mat out(hgt, w, gray ? CV_8UC1 : CV_8UC3);
-    int rc = tjDecompress2(h, p, (unsigned long)bytes.size(), out.data, w, 0, hgt, gray ? TJPF_GRAY : TJPF_RGB,
-                           TJFLAG_ACCURATEDCT);
-    // Warnings (e.g. a premature end of data) leave a partly grey image; treat them as corrupt
-    // input as PIL does for truncated files.
-    if (rc != 0) {
-      std::string err = tjGetErrorStr2(h);
-      tjDestroy(h);
-      throw DecodeError(fmt::format("cannot decode JPEG '{}': {}", what, err));
-    }
-    tjDestroy(h);
-    return out;
-  }
+  return bytes.size() >= 3 && p[0] == 0xFF && p[1] == 0xD8 && p[2] == 0xFF;
+}
+
+namespace {
+struct TjHandle {
+  tjhandle h = tjInitDecompress();
+  ~TjHandle() { tjDestroy(h); }
+};
+}  // namespace
+
+cv::Size jpeg_size(const std::string& bytes, const std::string& what) {
+  TjHandle tj;
+  int w = 0, hgt = 0, subsamp = 0, colorspace = 0;
+  if (tjDecompressHeader3(tj.h, reinterpret_cast<const unsigned char*>(bytes.data()), (unsigned long)bytes.size(), &w,
+                          &hgt, &subsamp, &colorspace) != 0 || w <= 0 || hgt <= 0)
+    throw DecodeError(fmt::format("cannot decode JPEG '{}': {}", what, tjGetErrorStr2(tj.h)));
+  return {w, hgt};
+}
+
+cv::Mat decode_jpeg(const std::string& bytes, int denom, const std::string& what) {
+  TjHandle tj;
+  const auto* p = reinterpret_cast<const unsigned char*>(bytes.data());
+  int w = 0, hgt = 0, subsamp = 0, colorspace = 0;
+  if (tjDecompressHeader3(tj.h, p, (unsigned long)bytes.size(), &w, &hgt, &subsamp, &colorspace) != 0 || w <= 0 ||
+      hgt <= 0)
+    throw DecodeError(fmt::format("cannot decode JPEG '{}': {}", what, tjGetErrorStr2(tj.h)));
+  const tjscalingfactor sf{1, denom};
+  const int sw = TJSCALED(w, sf), sh = TJSCALED(hgt, sf);
+  const bool gray = colorspace == TJCS_GRAY;
+  cv::Mat out(sh, sw, gray ? CV_8UC1 : CV_8UC3);
+  // Warnings (e.g. a premature end of data) leave a partly grey image; treat them as corrupt
+  // input as PIL does for truncated files. CMYK / YCCK files are converted to RGB by TurboJPEG.
+  if (tjDecompress2(tj.h, p, (unsigned long)bytes.size(), out.data, sw, 0, sh, gray ? TJPF_GRAY : TJPF_RGB,
+                    TJFLAG_ACCURATEDCT) != 0)
+    throw DecodeError(fmt::format("cannot decode JPEG '{}': {}", what, tjGetErrorStr2(tj.h)));
+  return out;
+}
+
+cv::Mat decode_image(const std::string& bytes, const std::string& what) {
+  if (is_jpeg(bytes)) return decode_jpeg(bytes, 1, what);
 #ifdef IMGTRAIN_WITH_IMGCODECS
   cv::Mat raw;
   try {
@@ -179,12 +196,18 @@ class ImageFolder : public Dataset {
   size_t size() const override { return samples_.size(); }
   int64_t label(size_t i) const override { return samples_[i].second; }
   cv::Mat image(size_t i) const override {
+    std::string bytes;
+    encoded(i, bytes);
+    return decode_image(bytes, samples_[i].first);
+  }
+  bool encoded(size_t i, std::string& bytes) const override {
     const auto& path = samples_[i].first;
-    std::ifstream f(path, std::ios::binary);
+    std::ifstream f(path, std::ios::binary | std::ios::ate);
     if (!f) throw DecodeError(fmt::format("cannot read '{}'", path));
-    std::stringstream ss;
-    ss << f.rdbuf();
-    return decode_image(ss.str(), path);
+    bytes.resize(size_t(f.tellg()));
+    f.seekg(0);
+    if (!f.read(bytes.data(), std::streamsize(bytes.size()))) throw DecodeError(fmt::format("cannot read '{}'", path));
+    return true;
   }
   std::string describe(size_t i) const override { return samples_[i].first; }
   int64_t num_classes() const override { return int64_t(classes_.size()); }

@@ -23,6 +23,10 @@ class Dataset {
   virtual size_t size() const = 0;
   virtual int64_t label(size_t i) const = 0;
   virtual cv::Mat image(size_t i) const = 0;  // throws DecodeError
+  // The sample's encoded file bytes, for datasets that have them (the loader then decodes with
+  // the transform's knowledge: a scaled JPEG decode when the crop is much larger than the output).
+  // False when the dataset holds decoded pixels.
+  virtual bool encoded(size_t i, std::string& bytes) const { return false; }
   virtual std::string describe(size_t i) const = 0;
   virtual int64_t num_classes() const = 0;
   virtual std::vector<std::string> class_names() const = 0;
@@ -38,6 +42,13 @@ IdxArray read_idx(const std::string& path);
 
 // Decodes JPEG (TurboJPEG), PNG, BMP, WebP (OpenCV) bytes into RGB or grayscale 8-bit.
 cv::Mat decode_image(const std::string& bytes, const std::string& what);
+
+bool is_jpeg(const std::string& bytes);
+// A JPEG's size from its header (no decoding); throws DecodeError.
+cv::Size jpeg_size(const std::string& bytes, const std::string& what);
+// A JPEG decoded at 1/`denom` of its size (denom 1, 2, 4 or 8) by libjpeg-turbo's DCT-domain
+// scaling: each side ceil(side / denom), much cheaper than a full decode and a resize.
+cv::Mat decode_jpeg(const std::string& bytes, int denom, const std::string& what);
 
 // The default location of Debian's dataset-fashion-mnist package.
 inline const char* kFashionMnistDir = "/usr/share/datasets/fashion-mnist";

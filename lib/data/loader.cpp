@@ -151,7 +151,9 @@ Batch Loader::make_batch(size_t b) {
     auto rng = sample_rng(opt_.seed, uint64_t(epoch_), key);
     cv::Mat img;
     try {
-      img = apply_transform(ds_->image(idx), tc_, rng);
+      std::string bytes;
+      img = ds_->encoded(idx, bytes) ? apply_transform_encoded(bytes, tc_, rng, ds_->describe(idx))
+                                     : apply_transform(ds_->image(idx), tc_, rng);
     } catch (const DecodeError& e) {
       std::lock_guard<std::mutex> lk(warn_mu_);
       if (warned_.insert(idx).second) log::warn("skipping unreadable image: {}", e.what());

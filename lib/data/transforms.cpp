@@ -1,6 +1,7 @@
 #include "data/transforms.h"
 
 #include "core/rng.h"
+#include "data/dataset.h"
 
 #include <opencv2/imgproc.hpp>
 
@@ -90,36 +91,77 @@ cv::Mat resize_center_crop(const cv::Mat& img, int size, int crop, const std::st
 
 }  // namespace
 
+namespace {
+
+// The training transform once the crop is cut: the interpolation draw, the resize to the output
+// size, the flips, then the --aa policy or colour jitter (the draws in timm's order).
+cv::Mat train_from_crop(const cv::Mat& crop, const TransformConfig& tc, std::mt19937_64& rng) {
+  std::string interp = tc.interpolation;
+  if (interp == "random") interp = uniform(rng, 0, 1) < 0.5 ? "bilinear" : "bicubic";
+  cv::Mat out = resize_to(crop, {tc.size, tc.size}, interp);
+  if (tc.hflip > 0 && uniform(rng, 0, 1) < tc.hflip) {
+    cv::Mat flipped;
+    cv::flip(out, flipped, 1);
+    out = flipped;
+  }
+  if (tc.vflip > 0 && uniform(rng, 0, 1) < tc.vflip) {
+    cv::Mat flipped;
+    cv::flip(out, flipped, 0);
+    out = flipped;
+  }
+  if (tc.auto_augment)
+    out = apply_augment(out, *tc.auto_augment, rng);
+  else if (tc.color_jitter > 0)
+    out = color_jitter(out, {tc.color_jitter, tc.color_jitter, tc.color_jitter}, rng);
+  return out;
+}
+
+cv::Mat contiguous(cv::Mat m) { return m.isContinuous() ? m : m.clone(); }
+
+// The largest DCT scaling denominator (8, 4, 2, else 1) that keeps both sides of a `w` x `h`
+// region at least `min_w` x `min_h` after scaling.
+int dct_denominator(int w, int h, int min_w, int min_h) {
+  for (int d : {8, 4, 2})
+    if (w / d >= min_w && h / d >= min_h) return d;
+  return 1;
+}
+
+}  // namespace
+
 cv::Mat apply_transform(const cv::Mat& in, const TransformConfig& tc, std::mt19937_64& rng) {
   cv::Mat img = to_channels(in, tc.channels);
-  cv::Mat out;
-  if (!tc.train) {
-    int scale_size = int(std::floor(tc.size / tc.crop_pct));
-    out = resize_center_crop(img, scale_size, tc.size, tc.interpolation);
-  } else if (tc.no_aug) {
-    out = resize_center_crop(img, tc.size, tc.size, tc.interpolation == "random" ? "bilinear" : tc.interpolation);
-  } else {
-    CropBox box = random_resized_crop_box(img.rows, img.cols, tc.scale, tc.ratio, rng);
-    std::string interp = tc.interpolation;
-    if (interp == "random") interp = uniform(rng, 0, 1) < 0.5 ? "bilinear" : "bicubic";
-    out = resize_to(img(cv::Rect(box.left, box.top, box.width, box.height)), {tc.size, tc.size}, interp);
-    if (tc.hflip > 0 && uniform(rng, 0, 1) < tc.hflip) {
-      cv::Mat flipped;
-      cv::flip(out, flipped, 1);
-      out = flipped;
-    }
-    if (tc.vflip > 0 && uniform(rng, 0, 1) < tc.vflip) {
-      cv::Mat flipped;
-      cv::flip(out, flipped, 0);
-      out = flipped;
-    }
-    if (tc.auto_augment)
-      out = apply_augment(out, *tc.auto_augment, rng);
-    else if (tc.color_jitter > 0)
-      out = color_jitter(out, {tc.color_jitter, tc.color_jitter, tc.color_jitter}, rng);
+  if (!tc.train) return contiguous(resize_center_crop(img, int(std::floor(tc.size / tc.crop_pct)), tc.size, tc.interpolation));
+  if (tc.no_aug)
+    return contiguous(resize_center_crop(img, tc.size, tc.size, tc.interpolation == "random" ? "bilinear" : tc.interpolation));
+  CropBox box = random_resized_crop_box(img.rows, img.cols, tc.scale, tc.ratio, rng);
+  return contiguous(train_from_crop(img(cv::Rect(box.left, box.top, box.width, box.height)), tc, rng));
+}
+
+cv::Mat apply_transform_encoded(const std::string& bytes, const TransformConfig& tc, std::mt19937_64& rng,
+                                const std::string& what) {
+  if (!is_jpeg(bytes)) return apply_transform(decode_image(bytes, what), tc, rng);
+  const cv::Size full = jpeg_size(bytes, what);
+  if (!tc.train || tc.no_aug) {
+    const int scale_size = tc.train ? tc.size : int(std::floor(tc.size / tc.crop_pct));
+    const std::string interp = tc.train && tc.interpolation == "random" ? "bilinear" : tc.interpolation;
+    const int shorter = std::min(full.width, full.height);
+    const int d = dct_denominator(shorter, shorter, scale_size, scale_size);
+    cv::Mat img = to_channels(decode_jpeg(bytes, d, what), tc.channels);
+    return contiguous(resize_center_crop(img, scale_size, tc.size, interp));
   }
-  if (!out.isContinuous()) out = out.clone();
-  return out;
+  // The crop is drawn on the full-size geometry (the same draws as a full decode), then the JPEG
+  // is decoded at the smallest DCT scale that still leaves the crop at least the output size.
+  CropBox box = random_resized_crop_box(full.height, full.width, tc.scale, tc.ratio, rng);
+  const int d = dct_denominator(box.width, box.height, tc.size, tc.size);
+  cv::Mat img = decode_jpeg(bytes, d, what);
+  cv::Rect r(box.left, box.top, box.width, box.height);
+  if (d > 1) {
+    const int x0 = int(std::lround(double(box.left) / d)), y0 = int(std::lround(double(box.top) / d));
+    const int x1 = std::min(img.cols, int(std::lround(double(box.left + box.width) / d)));
+    const int y1 = std::min(img.rows, int(std::lround(double(box.top + box.height) / d)));
+    r = cv::Rect(x0, y0, std::max(1, x1 - x0), std::max(1, y1 - y0));
+  }
+  return contiguous(train_from_crop(to_channels(img(r), tc.channels), tc, rng));
 }
 
 }  // namespace imgtrain::data

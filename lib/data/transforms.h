@@ -44,4 +44,12 @@ CropBox random_resized_crop_box(int height, int width, const std::vector<double>
 
 cv::Mat apply_transform(const cv::Mat& img, const TransformConfig& tc, std::mt19937_64& rng);
 
+// The same from encoded bytes. A JPEG is decoded with libjpeg-turbo's DCT-domain scaling (1/2,
+// 1/4, 1/8) whenever the region that is resized (the random crop, or the eval resize's source) is
+// at least twice the output: the crop box is drawn on the full size first, so the random draws
+// are those of apply_transform; the pixels differ from a full decode + resize by the scaled IDCT's
+// filtering (tests state the tolerance). Other formats decode fully.
+cv::Mat apply_transform_encoded(const std::string& bytes, const TransformConfig& tc, std::mt19937_64& rng,
+                                const std::string& what);
+
 }  // namespace imgtrain::data

@@ -92,7 +92,7 @@ class ReducerSync : public GradSync {
     const int64_t cap = int64_t(cap_mb * 1024 * 1024);
     const bool default_cap = cap_mb == 25.0;
     reducer_ = std::make_shared<c10d::Reducer>(params, buckets, pg_, std::vector<bool>(params.size(), false), cap,
-                                               /*find_unused_parameters=*/false, /*gradient_as_bucket_view=*/false,
+                                               /*find_unused_parameters=*/false, /*gradient_as_bucket_view=*/true,
                                                names, default_cap ? int64_t(1024 * 1024) : cap,
                                                /*skip_all_reduce_unused_params=*/false,
                                                /*use_python_reducer=*/false, std::vector<int64_t>{});

@@ -1,5 +1,6 @@
 #include "core/error.h"
 #include "core/log.h"
+#include "data/loader.h"
 #include "dist/dist.h"
 #include "engine/trainer.h"
 #include "model_zoo/registry.h"
@@ -21,9 +22,69 @@ double now_s(torch::Device dev) {
   return std::chrono::duration<double>(Clock::now().time_since_epoch()).count();
 }
 
+// --bench data: the input pipeline alone (decode, RandomResizedCrop + flip, collation into uint8
+// batches) with -j threads over the --data-dir training split, no model.
+int benchmark_data(const cli::Config& cfg) {
+  auto ds = data::create_dataset(cfg.dataset, cfg.data_dir, cfg.train_split);
+  data::TransformConfig tc;
+  tc.train = true;
+  tc.size = int(cfg.img_size.value_or(224));
+  tc.channels = int(cfg.in_chans.value_or(3));
+  tc.scale = cfg.scale;
+  tc.ratio = cfg.ratio;
+  tc.hflip = cfg.hflip;
+  tc.interpolation = cfg.train_interpolation;
+  data::LoaderOptions lo;
+  lo.batch_size = cfg.batch_size;
+  lo.shuffle = true;
+  lo.drop_last = true;
+  lo.workers = cfg.workers;
+  lo.seed = uint64_t(cfg.seed);
+  data::Loader loader(ds, tc, lo);
+  if (loader.num_batches() == 0)
+    throw UserError(fmt::format("--batch-size {}: the split has only {} images", cfg.batch_size, ds->size()));
+  log::info("Running data benchmark on {} images: {} threads, batch size {}, output {}x{}, interpolation {}.",
+            ds->size(), cfg.workers, cfg.batch_size, tc.size, tc.size, tc.interpolation);
+  int64_t epoch = 0, skipped = 0;
+  loader.start_epoch(epoch);
+  auto next = [&]() {
+    auto b = loader.next();
+    if (!b) {
+      skipped += loader.skipped_this_epoch();
+      loader.start_epoch(++epoch);
+      b = loader.next();
+    }
+    return b->images.size(0);
+  };
+  for (int64_t i = 0; i < cfg.num_warm_iter; ++i) next();
+  const auto t0 = Clock::now();
+  int64_t images = 0;
+  const int64_t log_freq = std::max<int64_t>(1, cfg.num_bench_iter / 5);
+  for (int64_t i = 0; i < cfg.num_bench_iter; ++i) {
+    images += next();
+    if ((i + 1) % log_freq == 0)
+      log::info("Data [{}/{}]. {:.2f} images/sec.", i + 1, cfg.num_bench_iter,
+                double(images) / std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  const double elapsed = std::chrono::duration<double>(Clock::now() - t0).count();
+  skipped += loader.skipped_this_epoch();
+  nlohmann::ordered_json results;
+  results["data_samples_per_sec"] = round_to(double(images) / elapsed, 2);
+  results["data_samples_per_sec_per_thread"] = round_to(double(images) / elapsed / double(std::max<int64_t>(1, cfg.workers)), 2);
+  results["data_batch_size"] = cfg.batch_size;
+  results["data_img_size"] = tc.size;
+  results["workers"] = cfg.workers;
+  results["images"] = int64_t(ds->size());
+  results["skipped"] = skipped;
+  std::printf("--result\n%s\n", results.dump(4).c_str());
+  write_results(cfg.results_file, cfg.results_format, results);
+  return 0;
+}
+
 }  // namespace
 
 int benchmark(const cli::Config& cfg) {
+  if (cfg.bench == "data") return benchmark_data(cfg);
   auto device = resolve_device(cfg.device);
   // Under a launcher the train benchmark is data parallel: each process steps its own batch and
   // the gradients are all-reduced as in training (the reported step time is rank 0's).
