@@ -9,6 +9,10 @@
 #include <opencv2/imgcodecs.hpp>
 #endif
 #include <turbojpeg.h>
+
+#include <csetjmp>
+#include <cstdio>
+#include <jpeglib.h>
 #include <zlib.h>
 
 #include <algorithm>
@@ -95,6 +99,79 @@ cv::Mat decode_jpeg(const std::string& bytes, int denom, const std::string& what
                     TJFLAG_ACCURATEDCT) != 0)
     throw DecodeError(fmt::format("cannot decode JPEG '{}': {}", what, tjGetErrorStr2(tj.h)));
   return out;
+}
+
+namespace {
+// libjpeg reports errors through a callback that must not return: jump back to the caller.
+// Warnings (a truncated file, corrupt data) are errors here, as for TurboJPEG above.
+struct JpegErrors {
+  jpeg_error_mgr pub;
+  std::jmp_buf jump;
+  char message[JMSG_LENGTH_MAX];
+};
+[[noreturn]] void jpeg_fail(j_common_ptr c) {
+  auto* e = reinterpret_cast<JpegErrors*>(c->err);
+  (*c->err->format_message)(c, e->message);
+  std::longjmp(e->jump, 1);
+}
+void jpeg_message(j_common_ptr c, int level) {
+  if (level < 0) jpeg_fail(c);  // a warning: corrupt or truncated data
+}
+}  // namespace
+
+cv::Mat decode_jpeg_region(const std::string& bytes, int denom, cv::Rect region, const std::string& what) {
+  jpeg_decompress_struct cinfo;
+  JpegErrors err;
+  cinfo.err = jpeg_std_error(&err.pub);
+  err.pub.error_exit = jpeg_fail;
+  err.pub.emit_message = jpeg_message;
+  err.message[0] = 0;
+  // The output buffer exists before setjmp and is not reassigned after it (a longjmp leaves
+  // locals changed in between indeterminate): the crop plus 16 columns each side, widened to
+  // iMCU boundaries (at most 2 x 15 more), fits. Gray files use the first third of each row.
+  cv::Mat out(std::max(region.height, 1), std::max(region.width, 1) + 64, CV_8UC3);
+  if (setjmp(err.jump)) {
+    jpeg_destroy_decompress(&cinfo);
+    throw DecodeError(fmt::format("cannot decode JPEG '{}': {}", what, err.message));
+  }
+  jpeg_create_decompress(&cinfo);
+  jpeg_mem_src(&cinfo, reinterpret_cast<const unsigned char*>(bytes.data()), (unsigned long)bytes.size());
+  jpeg_read_header(&cinfo, TRUE);
+  const bool cmyk = cinfo.jpeg_color_space == JCS_CMYK || cinfo.jpeg_color_space == JCS_YCCK;
+  const bool gray = cinfo.jpeg_color_space == JCS_GRAYSCALE;
+  if (cmyk) {  // libjpeg does not convert CMYK to RGB; TurboJPEG does
+    jpeg_destroy_decompress(&cinfo);
+    return decode_jpeg(bytes, denom, what)(region).clone();
+  }
+  cinfo.scale_num = 1;
+  cinfo.scale_denom = unsigned(denom);
+  cinfo.out_color_space = gray ? JCS_GRAYSCALE : JCS_RGB;
+  cinfo.dct_method = JDCT_ISLOW;  // TJFLAG_ACCURATEDCT
+  jpeg_start_decompress(&cinfo);
+  const cv::Rect inside = region & cv::Rect(0, 0, int(cinfo.output_width), int(cinfo.output_height));
+  if (inside != region || region.empty()) {
+    jpeg_destroy_decompress(&cinfo);
+    throw std::invalid_argument("decode_jpeg_region: region outside the scaled image");
+  }
+  // 16 more columns on each side keep the chroma upsampling of the region's edge columns identical
+  // to a full decode's (at a crop edge the upsampler has no right neighbour).
+  const int x0 = std::max(0, region.x - 16), x1 = std::min(int(cinfo.output_width), region.x + region.width + 16);
+  JDIMENSION xoff = JDIMENSION(x0), width = JDIMENSION(x1 - x0);
+  jpeg_crop_scanline(&cinfo, &xoff, &width);  // widened to iMCU boundaries
+  if (int(width) > region.width + 64) {
+    jpeg_destroy_decompress(&cinfo);
+    throw std::logic_error("decode_jpeg_region: the iMCU-aligned crop is wider than expected");
+  }
+  if (region.y > 0) jpeg_skip_scanlines(&cinfo, JDIMENSION(region.y));
+  for (int y = 0; y < region.height; ++y) {
+    JSAMPROW row = out.ptr<uint8_t>(y);
+    jpeg_read_scanlines(&cinfo, &row, 1);
+  }
+  jpeg_abort_decompress(&cinfo);
+  jpeg_destroy_decompress(&cinfo);
+  const cv::Rect want(region.x - int(xoff), 0, region.width, region.height);
+  if (!gray) return out(want);
+  return cv::Mat(region.height, int(width), CV_8UC1, out.data, out.step)(want).clone();
 }
 
 cv::Mat decode_image(const std::string& bytes, const std::string& what) {

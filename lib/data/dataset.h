@@ -49,6 +49,10 @@ cv::Size jpeg_size(const std::string& bytes, const std::string& what);
 // A JPEG decoded at 1/`denom` of its size (denom 1, 2, 4 or 8) by libjpeg-turbo's DCT-domain
 // scaling: each side ceil(side / denom), much cheaper than a full decode and a resize.
 cv::Mat decode_jpeg(const std::string& bytes, int denom, const std::string& what);
+// Only `region` (in the 1/denom-scaled image's coordinates) of a JPEG: rows above it are skipped
+// and columns outside it are not decoded (to iMCU granularity), through libjpeg-turbo's
+// jpeg_skip_scanlines / jpeg_crop_scanline. The pixels equal those of decode_jpeg(...)(region).
+cv::Mat decode_jpeg_region(const std::string& bytes, int denom, cv::Rect region, const std::string& what);
 
 // The default location of Debian's dataset-fashion-mnist package.
 inline const char* kFashionMnistDir = "/usr/share/datasets/fashion-mnist";

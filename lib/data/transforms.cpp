@@ -152,16 +152,18 @@ cv::Mat apply_transform_encoded(const std::string& bytes, const TransformConfig&
   // The crop is drawn on the full-size geometry (the same draws as a full decode), then the JPEG
   // is decoded at the smallest DCT scale that still leaves the crop at least the output size.
   CropBox box = random_resized_crop_box(full.height, full.width, tc.scale, tc.ratio, rng);
+  // Only the crop's rows and columns are decoded.
   const int d = dct_denominator(box.width, box.height, tc.size, tc.size);
-  cv::Mat img = decode_jpeg(bytes, d, what);
   cv::Rect r(box.left, box.top, box.width, box.height);
   if (d > 1) {
+    const int sw = (full.width + d - 1) / d, sh = (full.height + d - 1) / d;
     const int x0 = int(std::lround(double(box.left) / d)), y0 = int(std::lround(double(box.top) / d));
-    const int x1 = std::min(img.cols, int(std::lround(double(box.left + box.width) / d)));
-    const int y1 = std::min(img.rows, int(std::lround(double(box.top + box.height) / d)));
-    r = cv::Rect(x0, y0, std::max(1, x1 - x0), std::max(1, y1 - y0));
+    const int x1 = std::min(sw, int(std::lround(double(box.left + box.width) / d)));
+    const int y1 = std::min(sh, int(std::lround(double(box.top + box.height) / d)));
+    r = cv::Rect(std::min(x0, sw - 1), std::min(y0, sh - 1), std::max(1, x1 - x0), std::max(1, y1 - y0));
   }
-  return contiguous(train_from_crop(to_channels(img(r), tc.channels), tc, rng));
+  cv::Mat crop = decode_jpeg_region(bytes, d, r, what);
+  return contiguous(train_from_crop(to_channels(crop, tc.channels), tc, rng));
 }
 
 }  // namespace imgtrain::data
