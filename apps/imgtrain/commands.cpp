@@ -2,6 +2,7 @@
 
 #include "cli/config.h"
 #include "core/error.h"
+#include "data/shards.h"
 #include "dist/launcher.h"
 #include "engine/trainer.h"
 #include "io/weights.h"
@@ -123,6 +124,62 @@ int export_weights(const std::vector<std::string>& args) {
     if (prefix.empty() || k.rfind(prefix, 0) == 0) tensors.emplace_back(k.substr(prefix.size()), v);
   io::save_safetensors(out, tensors, {{"format", "pt"}});
   std::printf("Wrote %zu tensors (%s weights) to %s\n", tensors.size(), ema ? "EMA" : "model", out.c_str());
+  return 0;
+}
+
+namespace {
+// "1GB", "500MB", "64KiB", "123456" -> bytes (decimal units as written; KiB/MiB/GiB binary).
+uint64_t parse_size(const std::string& s) {
+  size_t used = 0;
+  double v = 0;
+  try {
+    v = std::stod(s, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  std::string unit = s.substr(used);
+  std::transform(unit.begin(), unit.end(), unit.begin(), [](unsigned char c) { return std::toupper(c); });
+  static const std::map<std::string, double> units = {{"", 1},       {"B", 1},         {"KB", 1e3},
+                                                      {"MB", 1e6},   {"GB", 1e9},      {"KIB", 1024.0},
+                                                      {"MIB", 1048576.0}, {"GIB", 1073741824.0}};
+  auto it = units.find(unit);
+  if (used == 0 || it == units.end() || v <= 0)
+    throw UserError(fmt::format("--shard-size '{}': expected a size such as 1GB, 500MB or 64MiB", s));
+  return uint64_t(v * it->second);
+}
+}  // namespace
+
+int pack(const std::vector<std::string>& args) {
+  cxxopts::Options opts("imgtrain pack", "Convert an ImageFolder into tar shards (WebDataset layout: <key>.jpg + <key>.cls)");
+  opts.add_options()("data-dir", "ImageFolder root (its train/validation splits) or one split", cxxopts::value<std::string>())(
+      "out", "Output folder (one sub-folder per split)", cxxopts::value<std::string>())(
+      "shard-size", "Bytes per shard (e.g. 1GB, 256MB)", cxxopts::value<std::string>()->default_value("1GB"))(
+      "max-size", "Re-encode (JPEG q90) images whose long side exceeds this (0: copy as is)",
+      cxxopts::value<int>()->default_value("0"))("h,help", "Show this help");
+  std::vector<std::string> a = args;
+  std::vector<char*> argv{const_cast<char*>("imgtrain pack")};
+  for (auto& s : a) argv.push_back(s.data());
+  cxxopts::ParseResult r;
+  try {
+    r = opts.parse(int(argv.size()), argv.data());
+  } catch (const cxxopts::exceptions::exception& e) {
+    throw UserError(std::string("pack: ") + e.what());
+  }
+  if (r.count("help")) {
+    std::puts(opts.help().c_str());
+    return 0;
+  }
+  if (!r.count("data-dir") || !r.count("out")) throw UserError("pack needs --data-dir FOLDER and --out FOLDER");
+  data::PackOptions po;
+  po.data_dir = r["data-dir"].as<std::string>();
+  po.out = r["out"].as<std::string>();
+  po.shard_size = parse_size(r["shard-size"].as<std::string>());
+  po.max_size = r["max-size"].as<int>();
+  if (po.max_size < 0) throw UserError(fmt::format("--max-size {}: expected 0 or a positive size", po.max_size));
+  po.log = [](const std::string& line) { std::printf("%s\n", line.c_str()); };
+  auto res = data::pack_image_folder(po);
+  std::printf("Packed %lld samples into %lld shard(s) (%lld re-encoded, %lld unreadable skipped)\n",
+              (long long)res.samples, (long long)res.shards, (long long)res.reencoded, (long long)res.skipped);
   return 0;
 }
 

@@ -9,5 +9,6 @@ int validate(const std::vector<std::string>& args);
 int benchmark(const std::vector<std::string>& args);
 int models(const std::vector<std::string>& args);
 int export_weights(const std::vector<std::string>& args);
+int pack(const std::vector<std::string>& args);
 int version(const char* version);
 }  // namespace imgtrain::app

@@ -27,6 +27,7 @@ const char* kUsage =
     "  benchmark   inference/train throughput on synthetic data (timm benchmark.py flags)\n"
     "  models      list models: imgtrain models ['resnet*'] [--verbose]\n"
     "  export      write a checkpoint's weights as a plain timm state dict (safetensors)\n"
+    "  pack        convert an ImageFolder into tar shards (WebDataset layout)\n"
     "\n"
     "imgtrain <command> --help shows the command's flags; imgtrain --version the version.\n";
 }
@@ -57,7 +58,8 @@ int main(int argc, char** argv) {
     if (cmd == "benchmark") return imgtrain::app::benchmark(args);
     if (cmd == "models") return imgtrain::app::models(args);
     if (cmd == "export") return imgtrain::app::export_weights(args);
-    std::fprintf(stderr, "imgtrain: unknown command '%s' (expected train, validate, benchmark, models or export)\n", cmd.c_str());
+    if (cmd == "pack") return imgtrain::app::pack(args);
+    std::fprintf(stderr, "imgtrain: unknown command '%s' (expected train, validate, benchmark, models, export or pack)\n", cmd.c_str());
     return 2;
   } catch (const imgtrain::UserError& e) {
     std::fprintf(stderr, "imgtrain: error: %s\n", e.what());

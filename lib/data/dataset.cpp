@@ -1,6 +1,7 @@
 #include "data/dataset.h"
 
 #include "core/error.h"
+#include "data/shards.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -318,7 +319,9 @@ std::shared_ptr<Dataset> create_dataset(const std::string& kind, const std::stri
   if (root.empty()) throw UserError("--data-dir is required for an ImageFolder dataset (or use --dataset fashion-mnist)");
   std::error_code ec;
   if (!fs::is_directory(root, ec)) throw UserError(fmt::format("--data-dir '{}': no such folder", root));
-  return std::make_shared<ImageFolder>(find_split_folder(root, split));
+  const std::string folder = find_split_folder(root, split);
+  if (!find_shards(folder).empty()) return open_shards(folder);
+  return std::make_shared<ImageFolder>(folder);
 }
 
 }  // namespace imgtrain::data

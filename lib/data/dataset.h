@@ -27,6 +27,9 @@ class Dataset {
   // the transform's knowledge: a scaled JPEG decode when the crop is much larger than the output).
   // False when the dataset holds decoded pixels.
   virtual bool encoded(size_t i, std::string& bytes) const { return false; }
+  // Sharded storage: shard s holds samples [starts[s], starts[s + 1]); empty otherwise. The
+  // loader's training order then reads shard by shard (see LoaderOptions::shuffle_buffer).
+  virtual std::vector<size_t> shard_starts() const { return {}; }
   virtual std::string describe(size_t i) const = 0;
   virtual int64_t num_classes() const = 0;
   virtual std::vector<std::string> class_names() const = 0;
@@ -57,7 +60,8 @@ cv::Mat decode_jpeg_region(const std::string& bytes, int denom, cv::Rect region,
 // The default location of Debian's dataset-fashion-mnist package.
 inline const char* kFashionMnistDir = "/usr/share/datasets/fashion-mnist";
 
-// kind: "" (ImageFolder) or "fashion-mnist". split: timm's split name (folder synonyms apply).
+// kind: "" (ImageFolder, or tar shards when the split folder holds *.tar files) or
+// "fashion-mnist". split: timm's split name (folder synonyms apply).
 std::shared_ptr<Dataset> create_dataset(const std::string& kind, const std::string& root, const std::string& split);
 
 // timm's split-folder search: `split` itself, else its synonyms (train/training,

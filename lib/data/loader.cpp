@@ -79,11 +79,50 @@ std::vector<int64_t> repeat_aug_share(int64_t n, int64_t epoch, bool shuffle, do
   return out;
 }
 
+std::vector<int64_t> shard_order(const std::vector<size_t>& starts, uint64_t seed, int64_t epoch, int64_t rank,
+                                 int64_t world, size_t buffer, size_t n) {
+  const int64_t shards = int64_t(starts.size()) - 1;
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed + uint64_t(epoch));
+  auto perm = at::randperm(shards, gen, at::TensorOptions().dtype(at::kLong));
+  const auto* p = perm.data_ptr<int64_t>();
+  // Enough shards: each rank reads its own (r, r + W, ...); too few: every rank reads all of them
+  // and takes every W-th sample of the shuffled stream.
+  const bool split_shards = shards >= world;
+  std::vector<int64_t> stream;
+  for (int64_t k = split_shards ? rank : 0; k < shards; k += split_shards ? world : 1)
+    for (size_t i = starts[size_t(p[k])]; i < starts[size_t(p[k]) + 1]; ++i) stream.push_back(int64_t(i));
+  auto rng = sample_rng(seed ^ 0x7368756666ull, uint64_t(epoch), uint64_t(split_shards ? rank : 0));
+  std::vector<int64_t> buf, out;
+  for (int64_t s : stream) {  // WebDataset's shuffle: fill, then emit a random element per input
+    buf.push_back(s);
+    if (buf.size() >= std::max<size_t>(buffer, 1)) {
+      const size_t j = size_t(randint(rng, 0, int64_t(buf.size()) - 1));
+      out.push_back(buf[j]);
+      buf[j] = buf.back();
+      buf.pop_back();
+    }
+  }
+  while (!buf.empty()) {
+    const size_t j = size_t(randint(rng, 0, int64_t(buf.size()) - 1));
+    out.push_back(buf[j]);
+    buf[j] = buf.back();
+    buf.pop_back();
+  }
+  if (!split_shards) out = rank_share(out, rank, world);
+  std::vector<int64_t> sized;
+  for (size_t i = 0; i < n && !out.empty(); ++i) sized.push_back(out[i % out.size()]);
+  return sized;
+}
+
 void Loader::start_epoch(int64_t epoch, size_t first_batch) {
   stop_workers();
   epoch_ = epoch;
   const int64_t n = int64_t(ds_->size());
-  if (opt_.repeats > 0) {
+  const auto starts = ds_->shard_starts();
+  if (opt_.repeats <= 0 && opt_.shuffle && starts.size() > 1) {
+    order_ = shard_order(starts, opt_.seed, epoch, opt_.rank, opt_.world, size_t(opt_.shuffle_buffer),
+                         (ds_->size() + size_t(opt_.world) - 1) / size_t(opt_.world));
+  } else if (opt_.repeats > 0) {
     order_ = repeat_aug_share(n, epoch, opt_.shuffle, opt_.repeats, opt_.rank, opt_.world);
   } else if (opt_.shuffle) {
     // torch.utils.data.DistributedSampler: g.manual_seed(seed + epoch); randperm(n, generator=g)
@@ -94,7 +133,8 @@ void Loader::start_epoch(int64_t epoch, size_t first_batch) {
     order_.resize(size_t(n));
     for (int64_t i = 0; i < n; ++i) order_[size_t(i)] = i;
   }
-  if (opt_.world > 1 && opt_.repeats <= 0) order_ = rank_share(order_, opt_.rank, opt_.world);
+  if (opt_.world > 1 && opt_.repeats <= 0 && !(opt_.shuffle && starts.size() > 1))
+    order_ = rank_share(order_, opt_.rank, opt_.world);
   next_batch_ = std::min(first_batch, num_batches_);
   next_to_make_ = next_batch_;
   skipped_epoch_ = 0;

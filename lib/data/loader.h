@@ -38,7 +38,15 @@ struct LoaderOptions {
   // --aug-repeats: timm's RepeatAugSampler (each sample `repeats` times per epoch, copies spread
   // over ranks, about N / world samples per rank); 0 = off.
   double repeats = 0;
+  // Sharded datasets, shuffled: shards are permuted (seed + epoch) and dealt to ranks, and samples
+  // pass through a shuffle buffer of this size, so reads stay sequential within a shard.
+  int64_t shuffle_buffer = 2048;
 };
+
+// The shard-aware training order of rank r of W (see LoaderOptions::shuffle_buffer), `n` samples
+// long (wrapped or cut so that every rank has the same number of batches).
+std::vector<int64_t> shard_order(const std::vector<size_t>& starts, uint64_t seed, int64_t epoch, int64_t rank,
+                                 int64_t world, size_t buffer, size_t n);
 
 // torch's DistributedSampler split of an epoch's order: padded by repeating its start to a
 // multiple of `world`, then rank r takes positions r, r + W, ... (with an unshuffled order this

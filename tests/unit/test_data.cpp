@@ -3,6 +3,7 @@
 #include "data/loader.h"
 #include "data/mixup.h"
 #include "data/normalize.h"
+#include "data/shards.h"
 #include "data/transforms.h"
 #include "test_util.h"
 
@@ -479,4 +480,109 @@ TEST_CASE("decoding a JPEG region gives the full decode's pixels there", "[data]
     }
   }
   CHECK_THROWS_AS(decode_jpeg_region(std::string("\xFF\xD8\xFF\xE0 broken", 12), 1, {0, 0, 1, 1}, "b"), DecodeError);
+}
+
+namespace {
+// An ImageFolder of n small JPEGs in 3 classes (file i in class i % 3); `corrupt` gets garbage.
+std::string write_jpeg_folder(const std::string& root, int n, int corrupt = -1) {
+  for (int i = 0; i < n; ++i) {
+    const std::string path = fmt::format("{}/train/c{}/{:04d}.jpg", root, i % 3, i);
+    test::write_file(path, i == corrupt ? std::string("\xFF\xD8\xFF\xE0 not a jpeg", 15)
+                                        : encode(make_image(40 + i % 5, 52, i), ".jpg"));
+  }
+  return root;
+}
+}  // namespace
+
+TEST_CASE("pack writes tar shards that read back as the same samples", "[data][shards]") {
+  test::TempDir dir("pack");
+  write_jpeg_folder(dir / "in", 30);
+  PackOptions po;
+  po.data_dir = dir / "in";
+  po.out = dir / "out";
+  po.shard_size = 8000;  // several shards
+  auto res = pack_image_folder(po);
+  CHECK(res.samples == 30);
+  CHECK(res.shards > 2);
+  auto shards = find_shards(dir / "out/train");
+  REQUIRE(shards.size() == size_t(res.shards));
+  std::string err;
+  auto members = list_tar(shards[0], &err);
+  CHECK(err.empty());
+  REQUIRE(members.size() >= 2);
+  CHECK(members[0].name.size() == 13);  // 000000000.jpg
+  CHECK(members[1].name == members[0].name.substr(0, 9) + ".cls");
+  auto folder = create_dataset("", dir / "in", "train");
+  auto tars = create_dataset("", dir / "out", "train");  // the split folder holds shards
+  REQUIRE(tars->size() == folder->size());
+  CHECK(tars->num_classes() == 3);
+  CHECK(tars->class_names() == folder->class_names());
+  CHECK(tars->shard_starts().size() == shards.size() + 1);
+  for (size_t i = 0; i < folder->size(); ++i) {
+    CHECK(tars->label(i) == folder->label(i));
+    CHECK(cv::norm(tars->image(i), folder->image(i), cv::NORM_INF) == 0);
+  }
+  // --max-size re-encodes the larger images as JPEG.
+  po.out = dir / "small";
+  po.max_size = 45;
+  auto small = pack_image_folder(po);
+  CHECK(small.reencoded > 0);
+  auto st = create_dataset("", dir / "small", "train");
+  for (size_t i = 0; i < st->size(); ++i) CHECK(std::max(st->image(i).rows, st->image(i).cols) <= 45);
+}
+
+TEST_CASE("a corrupt image inside a shard is skipped and counted; a truncated shard keeps what precedes", "[data][shards]") {
+  test::TempDir dir("shardbad");
+  write_jpeg_folder(dir / "in", 12, 5);
+  PackOptions po;
+  po.data_dir = dir / "in";
+  po.out = dir / "out";
+  pack_image_folder(po);  // copies bytes as they are: the corrupt file goes into the shard
+  auto ds = create_dataset("", dir / "out", "train");
+  REQUIRE(ds->size() == 12);
+  TransformConfig tc;
+  tc.size = 16;
+  LoaderOptions o;
+  o.batch_size = 4;
+  o.workers = 2;
+  Loader l(ds, tc, o);
+  int64_t images = 0;
+  for (auto& b : epoch_batches(l, 0)) images += b.images.size(0);
+  CHECK(images == 11);
+  CHECK(l.skipped_this_epoch() == 1);
+  // Cut the shard in the middle of a member: the samples before the cut remain.
+  auto shard = find_shards(dir / "out/train").at(0);
+  const auto members = list_tar(shard);
+  std::filesystem::resize_file(shard, members[14].offset + 10);
+  std::string err;
+  auto kept = list_tar(shard, &err);
+  CHECK_THAT(err, Catch::Contains("truncated"));
+  CHECK(kept.size() == 14);
+  auto ds2 = create_dataset("", dir / "out", "train");
+  CHECK(ds2->size() == 7);
+}
+
+TEST_CASE("shard order: shards dealt to ranks, buffer-shuffled, equal lengths, same for any thread count", "[data][shards]") {
+  std::vector<size_t> starts{0, 10, 25, 30, 48, 60};  // 5 shards of 60 samples
+  auto a = shard_order(starts, 1, 3, 0, 1, 8, 60);
+  auto b = shard_order(starts, 1, 3, 0, 1, 8, 60);
+  CHECK(a == b);
+  std::vector<int64_t> sorted = a;
+  std::sort(sorted.begin(), sorted.end());
+  for (int64_t i = 0; i < 60; ++i) CHECK(sorted[size_t(i)] == i);  // a permutation
+  CHECK(a != shard_order(starts, 1, 4, 0, 1, 8, 60));             // another epoch, another order
+  // Two ranks: disjoint shards, each padded or cut to the same length.
+  auto r0 = shard_order(starts, 1, 3, 0, 2, 8, 30), r1 = shard_order(starts, 1, 3, 1, 2, 8, 30);
+  CHECK(r0.size() == 30);
+  CHECK(r1.size() == 30);
+  auto shard_of = [&](int64_t i) { return std::upper_bound(starts.begin(), starts.end(), size_t(i)) - starts.begin() - 1; };
+  std::set<int64_t> s0, s1;
+  for (auto i : r0) s0.insert(shard_of(i));
+  for (auto i : r1) s1.insert(shard_of(i));
+  for (auto s : s0) CHECK(s1.count(s) == 0);
+  // Fewer shards than ranks: every rank reads all of them and takes its share of the stream.
+  auto few0 = shard_order({0, 10}, 1, 0, 0, 2, 4, 5), few1 = shard_order({0, 10}, 1, 0, 1, 2, 4, 5);
+  std::set<int64_t> all(few0.begin(), few0.end());
+  all.insert(few1.begin(), few1.end());
+  CHECK(all.size() == 10);
 }
