@@ -21,6 +21,10 @@
 #include <fstream>
 #include <map>
 #include <sstream>
+#include <atomic>
+#include <chrono>
+#include <thread>
+#include <unistd.h>
 
 namespace fs = std::filesystem;
 
@@ -249,24 +253,55 @@ bool is_image_file(const fs::path& p) {
   return ext == ".jpg" || ext == ".jpeg" || ext == ".png" || ext == ".bmp" || ext == ".webp";
 }
 
+// One class folder's image files (recursively, sorted) and every directory seen with its mtime.
+struct ClassScan {
+  std::vector<std::string> files;
+  std::vector<std::pair<std::string, int64_t>> dirs;
+};
+
+int64_t mtime_ns(const fs::path& p) {
+  std::error_code ec;
+  auto t = fs::last_write_time(p, ec);
+  return ec ? -1 : int64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count());
+}
+
+ClassScan scan_class(const fs::path& dir) {
+  ClassScan out;
+  std::error_code ec;
+  out.dirs.emplace_back(dir.string(), mtime_ns(dir));
+  auto opts = fs::directory_options::follow_directory_symlink | fs::directory_options::skip_permission_denied;
+  for (auto it = fs::recursive_directory_iterator(dir, opts, ec); it != fs::recursive_directory_iterator();
+       it.increment(ec)) {
+    if (ec) break;
+    if (it->is_directory(ec)) out.dirs.emplace_back(it->path().string(), mtime_ns(it->path()));
+    else if (it->is_regular_file(ec) && is_image_file(it->path())) out.files.push_back(it->path().string());
+  }
+  std::sort(out.files.begin(), out.files.end());
+  return out;
+}
+
+// Where the scan of `folder` is cached: $XDG_CACHE_HOME/imgtrain (or ~/.cache/imgtrain), one
+// file per absolute folder path. IMGTRAIN_SCAN_CACHE=0 turns caching off.
+std::string scan_cache_path(const std::string& folder) {
+  if (const char* v = std::getenv("IMGTRAIN_SCAN_CACHE"); v && std::string(v) == "0") return "";
+  std::string base;
+  if (const char* x = std::getenv("XDG_CACHE_HOME"); x && *x) base = x;
+  else if (const char* h = std::getenv("HOME"); h && *h) base = std::string(h) + "/.cache";
+  else return "";
+  std::error_code ec;
+  const std::string abs = fs::absolute(folder, ec).lexically_normal().string();
+  return fmt::format("{}/imgtrain/scan-{:016x}.txt", base, std::hash<std::string>{}(abs));
+}
+
 class ImageFolder : public Dataset {
  public:
   explicit ImageFolder(const std::string& folder) : folder_(folder) {
     std::error_code ec;
     if (!fs::is_directory(folder, ec)) throw UserError(fmt::format("data folder '{}' does not exist", folder));
-    for (auto& entry : fs::directory_iterator(folder, ec))
-      if (entry.is_directory()) classes_.push_back(entry.path().filename().string());
-    std::sort(classes_.begin(), classes_.end());
-    for (size_t c = 0; c < classes_.size(); ++c) {
-      std::vector<std::string> found;
-      auto opts = fs::directory_options::follow_directory_symlink | fs::directory_options::skip_permission_denied;
-      for (auto it = fs::recursive_directory_iterator(fs::path(folder) / classes_[c], opts, ec);
-           it != fs::recursive_directory_iterator(); it.increment(ec)) {
-        if (ec) break;
-        if (it->is_regular_file() && is_image_file(it->path())) found.push_back(it->path().string());
-      }
-      std::sort(found.begin(), found.end());
-      for (auto& f : found) samples_.emplace_back(std::move(f), int64_t(c));
+    const std::string cache = scan_cache_path(folder);
+    if (cache.empty() || !load_cache(cache)) {
+      scan();
+      if (!cache.empty()) save_cache(cache);
     }
     if (samples_.empty())
       throw UserError(fmt::format("no images (jpg, jpeg, png, bmp, webp) in class subfolders of '{}'", folder));
@@ -292,9 +327,91 @@ class ImageFolder : public Dataset {
   std::vector<std::string> class_names() const override { return classes_; }
 
  private:
+  // Class folders scanned in parallel (the file system, not the CPU, is the limit: many requests
+  // in flight help on network storage).
+  void scan() {
+    std::error_code ec;
+    classes_.clear();
+    samples_.clear();
+    dirs_.clear();
+    dirs_.emplace_back(folder_, mtime_ns(folder_));
+    for (auto& entry : fs::directory_iterator(folder_, ec))
+      if (entry.is_directory()) classes_.push_back(entry.path().filename().string());
+    std::sort(classes_.begin(), classes_.end());
+    std::vector<ClassScan> found(classes_.size());
+    std::atomic<size_t> next{0};
+    std::vector<std::thread> pool;
+    const size_t threads = std::min<size_t>(16, std::max<size_t>(1, classes_.size()));
+    for (size_t t = 0; t < threads; ++t)
+      pool.emplace_back([&] {
+        for (size_t c; (c = next++) < classes_.size();) found[c] = scan_class(fs::path(folder_) / classes_[c]);
+      });
+    for (auto& t : pool) t.join();
+    for (size_t c = 0; c < classes_.size(); ++c) {
+      for (auto& f : found[c].files) samples_.emplace_back(std::move(f), int64_t(c));
+      for (auto& d : found[c].dirs) dirs_.push_back(std::move(d));
+    }
+  }
+  // The cache holds every directory with its mtime (adding or removing a file changes its
+  // folder's), the classes and the files; it is used only if every directory is unchanged.
+  bool load_cache(const std::string& path) {
+    std::ifstream f(path);
+    std::string line;
+    if (!f || !std::getline(f, line) || line != "imgtrain-scan 1") return false;
+    if (!std::getline(f, line) || line != folder_) return false;
+    size_t n = 0;
+    f >> n;
+    std::getline(f, line);
+    for (size_t i = 0; i < n; ++i) {
+      int64_t t = 0;
+      f >> t;
+      f.get();
+      if (!std::getline(f, line) || mtime_ns(line) != t) return false;
+      dirs_.emplace_back(line, t);
+    }
+    f >> n;
+    std::getline(f, line);
+    for (size_t i = 0; i < n && std::getline(f, line); ++i) classes_.push_back(line);
+    f >> n;
+    std::getline(f, line);
+    for (size_t i = 0; i < n; ++i) {
+      int64_t c = 0;
+      f >> c;
+      f.get();
+      if (!std::getline(f, line) || c < 0 || c >= int64_t(classes_.size())) return reset();
+      samples_.emplace_back(line, c);
+    }
+    return bool(f) ? true : reset();
+  }
+  bool reset() {
+    classes_.clear();
+    samples_.clear();
+    dirs_.clear();
+    return false;
+  }
+  void save_cache(const std::string& path) const {
+    for (auto& [p, c] : samples_)
+      if (p.find('\n') != std::string::npos) return;  // the line format cannot hold it
+    std::error_code ec;
+    fs::create_directories(fs::path(path).parent_path(), ec);
+    const std::string tmp = path + ".tmp" + std::to_string(::getpid());
+    {
+      std::ofstream f(tmp);
+      f << "imgtrain-scan 1\n" << folder_ << "\n" << dirs_.size() << "\n";
+      for (auto& [d, t] : dirs_) f << t << " " << d << "\n";
+      f << classes_.size() << "\n";
+      for (auto& c : classes_) f << c << "\n";
+      f << samples_.size() << "\n";
+      for (auto& [p, c] : samples_) f << c << " " << p << "\n";
+      if (!f) return;  // a cache that cannot be written is only a slower next start
+    }
+    fs::rename(tmp, path, ec);
+  }
+
   std::string folder_;
   std::vector<std::string> classes_;
   std::vector<std::pair<std::string, int64_t>> samples_;
+  std::vector<std::pair<std::string, int64_t>> dirs_;
 };
 
 }  // namespace

@@ -586,3 +586,31 @@ TEST_CASE("shard order: shards dealt to ranks, buffer-shuffled, equal lengths, s
   all.insert(few1.begin(), few1.end());
   CHECK(all.size() == 10);
 }
+
+TEST_CASE("ImageFolder's scan is cached and invalidated when a folder changes", "[data][folder]") {
+  test::TempDir dir("scan");
+  write_jpeg_folder(dir / "in", 9);
+  setenv("XDG_CACHE_HOME", (dir / "cache").c_str(), 1);
+  auto a = create_dataset("", dir / "in", "train");
+  CHECK(a->size() == 9);
+  std::vector<std::string> cached;
+  for (auto& e : std::filesystem::recursive_directory_iterator(dir / "cache")) cached.push_back(e.path().string());
+  REQUIRE(cached.size() == 2);  // the imgtrain folder and one scan file
+  // A new file with its folder's mtime put back: the cache (9 files) is used, so it is not seen.
+  const auto cls = std::filesystem::path(dir / "in/train/c1");
+  const auto t = std::filesystem::last_write_time(cls);
+  test::write_file((cls / "new.jpg").string(), encode(make_image(40, 52, 99), ".jpg"));
+  std::filesystem::last_write_time(cls, t);
+  auto b = create_dataset("", dir / "in", "train");
+  CHECK(b->size() == 9);
+  for (size_t i = 0; i < 9; ++i) CHECK(b->describe(i) == a->describe(i));
+  // The folder's real mtime: a rescan finds the 10th file.
+  std::filesystem::last_write_time(cls, t + std::chrono::seconds(5));
+  CHECK(create_dataset("", dir / "in", "train")->size() == 10);
+  setenv("IMGTRAIN_SCAN_CACHE", "0", 1);  // off: always scans
+  std::filesystem::remove(cls / "new.jpg");
+  std::filesystem::last_write_time(cls, t + std::chrono::seconds(5));
+  CHECK(create_dataset("", dir / "in", "train")->size() == 9);
+  unsetenv("IMGTRAIN_SCAN_CACHE");
+  unsetenv("XDG_CACHE_HOME");
+}
