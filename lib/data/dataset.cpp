@@ -96,10 +96,31 @@ cv::Mat decode_jpeg(const std::string& bytes, int denom, const std::string& what
     throw DecodeError(fmt::format("cannot decode JPEG '{}': {}", what, tjGetErrorStr2(tj.h)));
   const tjscalingfactor sf{1, denom};
   const int sw = TJSCALED(w, sf), sh = TJSCALED(hgt, sf);
+  if (colorspace == TJCS_CMYK || colorspace == TJCS_YCCK) {
+    // TurboJPEG 2.1 has no CMYK -> RGB; PIL's (what timm sees): the file's values are Adobe-
+    // inverted, then R = (255 - K) - (255 - K) * C / 255 with C, K the un-inverted inks.
+    cv::Mat cmyk(sh, sw, CV_8UC4);
+    if (tjDecompress2(tj.h, p, (unsigned long)bytes.size(), cmyk.data, sw, 0, sh, TJPF_CMYK, TJFLAG_ACCURATEDCT) != 0)
+      throw DecodeError(fmt::format("cannot decode JPEG '{}': {}", what, tjGetErrorStr2(tj.h)));
+    cv::Mat out(sh, sw, CV_8UC3);
+    auto muldiv255 = [](int a, int b) {
+      const int t = a * b + 128;
+      return ((t >> 8) + t) >> 8;
+    };
+    for (int y = 0; y < sh; ++y) {
+      const uint8_t* in = cmyk.ptr<uint8_t>(y);
+      uint8_t* o = out.ptr<uint8_t>(y);
+      for (int x = 0; x < sw; ++x, in += 4, o += 3) {
+        const int nk = in[3];  // 255 - (255 - raw K)
+        for (int c = 0; c < 3; ++c) o[c] = uint8_t(std::clamp(nk - muldiv255(255 - in[c], nk), 0, 255));
+      }
+    }
+    return out;
+  }
   const bool gray = colorspace == TJCS_GRAY;
   cv::Mat out(sh, sw, gray ? CV_8UC1 : CV_8UC3);
   // Warnings (e.g. a premature end of data) leave a partly grey image; treat them as corrupt
-  // input as PIL does for truncated files. CMYK / YCCK files are converted to RGB by TurboJPEG.
+  // input as PIL does for truncated files.
   if (tjDecompress2(tj.h, p, (unsigned long)bytes.size(), out.data, sw, 0, sh, gray ? TJPF_GRAY : TJPF_RGB,
                     TJFLAG_ACCURATEDCT) != 0)
     throw DecodeError(fmt::format("cannot decode JPEG '{}': {}", what, tjGetErrorStr2(tj.h)));
@@ -144,7 +165,7 @@ cv::Mat decode_jpeg_region(const std::string& bytes, int denom, cv::Rect region,
   jpeg_read_header(&cinfo, TRUE);
   const bool cmyk = cinfo.jpeg_color_space == JCS_CMYK || cinfo.jpeg_color_space == JCS_YCCK;
   const bool gray = cinfo.jpeg_color_space == JCS_GRAYSCALE;
-  if (cmyk) {  // libjpeg does not convert CMYK to RGB; TurboJPEG does
+  if (cmyk) {  // libjpeg does not convert CMYK to RGB; decode_jpeg does (as PIL)
     jpeg_destroy_decompress(&cinfo);
     return decode_jpeg(bytes, denom, what)(region).clone();
   }

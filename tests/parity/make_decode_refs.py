@@ -1,0 +1,51 @@
+"""Unusual image files and what PIL (timm's decoder, through .convert('RGB') / 'L') makes of them.
+
+Writes <out>/<name>.<ext> and <out>/<name>.npy-like raw references as safetensors
+(<out>/decode_refs.safetensors: one uint8 HWC tensor per file, PIL's decode).
+"""
+import io, os, sys
+
+import numpy as np
+import torch
+from PIL import Image
+from safetensors.torch import save_file
+
+out = sys.argv[1]
+os.makedirs(out, exist_ok=True)
+rng = np.random.default_rng(0)
+h, w = 61, 83
+yy, xx = np.mgrid[0:h, 0:w]
+base = np.stack([(xx * 255 // w), (yy * 255 // h), ((xx + yy) * 2) % 256], -1).astype(np.uint8)
+base = np.clip(base.astype(int) + rng.integers(-20, 20, base.shape), 0, 255).astype(np.uint8)
+rgb = Image.fromarray(base)
+refs = {}
+
+
+def add(name, img, **save):
+    path = os.path.join(out, name)
+    img.save(path, **save)
+    with Image.open(path) as im:  # timm: Image.open(f).convert('RGB'); L for grayscale files here
+        ref = im.convert('L' if im.mode in ('L', 'I;16', 'I') and 'gray' in name else 'RGB')
+        refs[name] = torch.from_numpy(np.asarray(ref).copy())
+
+
+add('baseline.jpg', rgb, quality=90)
+add('progressive.jpg', rgb, quality=90, progressive=True)
+add('cmyk.jpg', rgb.convert('CMYK'), quality=95)
+add('gray.jpg', rgb.convert('L'), quality=90)
+exif = Image.Exif()
+exif[0x0112] = 6  # orientation: rotate 90 CW when displayed; PIL's open() does not apply it
+add('exif_rotated.jpg', rgb, quality=90, exif=exif)
+rgba = rgb.convert('RGBA')
+rgba.putalpha(Image.fromarray((base[..., 0] // 2).astype(np.uint8)))
+add('alpha2.png', rgba)
+add('palette.png', rgb.convert('P', palette=Image.ADAPTIVE, colors=64))
+add('gray.png', rgb.convert('L'))
+add('plain.bmp', rgb)
+add('lossless.webp', rgb, lossless=True)
+# 16-bit grayscale PNG: PIL's convert('L') of mode I;16 clips at 255 instead of scaling, so the
+# reference here is the 16-bit data itself (its top byte, rounded: v / 257).
+g16 = (base[..., 0].astype(np.uint16) * 257 + rng.integers(0, 257, (h, w))).astype(np.uint16)
+Image.fromarray(g16).save(os.path.join(out, 'gray16.png'))
+refs['gray16.png'] = torch.from_numpy(np.round(g16 / 257.0).astype(np.uint8))
+save_file(refs, os.path.join(out, 'decode_refs.safetensors'))
