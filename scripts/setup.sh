@@ -10,7 +10,7 @@ want_test=0
 [[ ${1:-} == --test ]] && want_test=1
 
 debs=(build-essential cmake pkg-config ccache python3-venv
-      libopencv-core-dev libopencv-imgproc-dev libopencv-imgcodecs-dev libturbojpeg0-dev libjpeg62-turbo-dev
+      libopencv-core-dev libopencv-imgproc-dev libopencv-imgcodecs-dev libturbojpeg0-dev libjpeg62-turbo-dev libgif-dev
       libyaml-cpp-dev libcxxopts-dev libfmt-dev nlohmann-json3-dev catch2 zlib1g-dev libgloo-dev
       dataset-fashion-mnist)
 missing=()

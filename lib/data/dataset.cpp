@@ -13,6 +13,7 @@
 
 #include <csetjmp>
 #include <cstdio>
+#include <gif_lib.h>
 #include <jpeglib.h>
 #include <zlib.h>
 
@@ -200,7 +201,61 @@ cv::Mat decode_jpeg_region(const std::string& bytes, int denom, cv::Rect region,
   return cv::Mat(region.height, int(width), CV_8UC1, out.data, out.step)(want).clone();
 }
 
+namespace {
+bool is_gif(const std::string& bytes) { return bytes.rfind("GIF87a", 0) == 0 || bytes.rfind("GIF89a", 0) == 0; }
+
+// A GIF's first frame on its logical screen (the background colour around the frame,
+// transparent pixels left at the background), as RGB.
+cv::Mat decode_gif(const std::string& bytes, const std::string& what) {
+  struct Source {
+    const std::string* bytes;
+    size_t pos;
+  } src{&bytes, 0};
+  auto read = [](GifFileType* g, GifByteType* buf, int n) -> int {
+    auto* s = static_cast<Source*>(g->UserData);
+    const size_t k = std::min(size_t(std::max(n, 0)), s->bytes->size() - s->pos);
+    std::memcpy(buf, s->bytes->data() + s->pos, k);
+    s->pos += k;
+    return int(k);
+  };
+  int err = 0;
+  GifFileType* g = DGifOpen(&src, read, &err);
+  if (!g) throw DecodeError(fmt::format("cannot decode GIF '{}': {}", what, GifErrorString(err)));
+  if (DGifSlurp(g) != GIF_OK || g->ImageCount < 1 || g->SWidth <= 0 || g->SHeight <= 0) {
+    const std::string why = GifErrorString(g->Error) ? GifErrorString(g->Error) : "no image";
+    DGifCloseFile(g, &err);
+    throw DecodeError(fmt::format("cannot decode GIF '{}': {}", what, why));
+  }
+  const SavedImage& im = g->SavedImages[0];
+  const ColorMapObject* cmap = im.ImageDesc.ColorMap ? im.ImageDesc.ColorMap : g->SColorMap;
+  if (!cmap) {
+    DGifCloseFile(g, &err);
+    throw DecodeError(fmt::format("cannot decode GIF '{}': no colour map", what));
+  }
+  GraphicsControlBlock gcb{};
+  gcb.TransparentColor = NO_TRANSPARENT_COLOR;
+  DGifSavedExtensionToGCB(g, 0, &gcb);
+  auto colour = [&](int idx) {
+    const GifColorType c = idx >= 0 && idx < cmap->ColorCount ? cmap->Colors[idx] : GifColorType{0, 0, 0};
+    return cv::Vec3b(c.Red, c.Green, c.Blue);
+  };
+  const cv::Vec3b bg = colour(g->SColorMap ? g->SBackGroundColor : 0);
+  cv::Mat out(g->SHeight, g->SWidth, CV_8UC3, cv::Scalar(bg[0], bg[1], bg[2]));
+  const auto& d = im.ImageDesc;
+  for (int y = 0; y < d.Height; ++y)
+    for (int x = 0; x < d.Width; ++x) {
+      const int px = d.Left + x, py = d.Top + y;
+      const int idx = im.RasterBits[size_t(y) * size_t(d.Width) + size_t(x)];
+      if (px < 0 || py < 0 || px >= out.cols || py >= out.rows || idx == gcb.TransparentColor) continue;
+      out.at<cv::Vec3b>(py, px) = colour(idx);
+    }
+  DGifCloseFile(g, &err);
+  return out;
+}
+}  // namespace
+
 cv::Mat decode_image(const std::string& bytes, const std::string& what) {
+  if (is_gif(bytes)) return decode_gif(bytes, what);
   if (is_jpeg(bytes)) return decode_jpeg(bytes, 1, what);
 #ifdef IMGTRAIN_WITH_IMGCODECS
   cv::Mat raw;
@@ -271,7 +326,7 @@ class FashionMnist : public Dataset {
 bool is_image_file(const fs::path& p) {
   std::string ext = p.extension().string();
   std::transform(ext.begin(), ext.end(), ext.begin(), [](unsigned char c) { return std::tolower(c); });
-  return ext == ".jpg" || ext == ".jpeg" || ext == ".png" || ext == ".bmp" || ext == ".webp";
+  return ext == ".jpg" || ext == ".jpeg" || ext == ".png" || ext == ".bmp" || ext == ".webp" || ext == ".gif";
 }
 
 // One class folder's image files (recursively, sorted) and every directory seen with its mtime.
@@ -325,7 +380,7 @@ class ImageFolder : public Dataset {
       if (!cache.empty()) save_cache(cache);
     }
     if (samples_.empty())
-      throw UserError(fmt::format("no images (jpg, jpeg, png, bmp, webp) in class subfolders of '{}'", folder));
+      throw UserError(fmt::format("no images (jpg, jpeg, png, bmp, webp, gif) in class subfolders of '{}'", folder));
   }
   size_t size() const override { return samples_.size(); }
   int64_t label(size_t i) const override { return samples_[i].second; }

@@ -26,7 +26,7 @@ constexpr size_t kBlock = 512;
 
 bool is_image_ext(std::string ext) {
   std::transform(ext.begin(), ext.end(), ext.begin(), [](unsigned char c) { return std::tolower(c); });
-  return ext == "jpg" || ext == "jpeg" || ext == "png" || ext == "bmp" || ext == "webp";
+  return ext == "jpg" || ext == "jpeg" || ext == "png" || ext == "bmp" || ext == "webp" || ext == "gif";
 }
 
 // A tar number field: octal text, or GNU base-256 when the high bit of the first byte is set.

@@ -12,6 +12,11 @@
 #include "optim/optim.h"
 
 #include <torch/torch.h>
+#ifdef IMGTRAIN_WITH_CUDA
+#include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
 
 #include <chrono>
 #include <csignal>
@@ -92,6 +97,64 @@ at::Tensor random_erase(const at::Tensor& x, const at::Tensor& indices, const da
   }
   return host.permute({0, 3, 1, 2}).to(x.device()).contiguous(format);
 }
+
+// timm's PrefetchLoader: on CUDA, batch k + 1 is copied from pinned memory and normalised on a
+// side stream while batch k trains, and the compute stream waits for it only when it is used. On
+// the CPU a batch is converted when it is used.
+class Prefetcher {
+ public:
+  struct Item {
+    data::Batch batch;
+    at::Tensor x;  // the model's float input on the device (normalised)
+    std::shared_ptr<void> ready;  // CUDA: the side stream's event after the copy
+  };
+  Prefetcher(data::Loader& loader, const EpochOptions& o) : loader_(loader), o_(o) {
+#ifdef IMGTRAIN_WITH_CUDA
+    if (o.device.is_cuda()) stream_ = c10::cuda::getStreamFromPool(false, o.device.index());
+#endif
+  }
+  std::optional<Item> next() {
+    if (!primed_) pending_ = load(), primed_ = true;
+    std::optional<Item> cur = std::move(pending_);
+    if (!cur) return cur;
+    pending_ = load();  // its copy overlaps this batch's compute
+    if (!cur->x.defined() && cur->batch.images.size(0) > 0) {
+      cur->x = model_input(cur->batch.images, o_.device, o_.mean, o_.std, o_.channels_last);
+    } else if (cur->ready) {
+#ifdef IMGTRAIN_WITH_CUDA
+      auto current = c10::cuda::getCurrentCUDAStream(o_.device.index());
+      std::static_pointer_cast<at::cuda::CUDAEvent>(cur->ready)->block(current);
+      cur->x.record_stream(current);  // its memory belongs to the side stream's allocations
+#endif
+    }
+    return cur;
+  }
+
+ private:
+  std::optional<Item> load() {
+    auto b = loader_.next();
+    if (!b) return std::nullopt;
+    Item item{std::move(*b), {}, {}};
+#ifdef IMGTRAIN_WITH_CUDA
+    if (stream_ && item.batch.images.size(0) > 0 && item.batch.images.is_pinned()) {
+      c10::cuda::CUDAStreamGuard guard(*stream_);
+      item.x = model_input(item.batch.images, o_.device, o_.mean, o_.std, o_.channels_last);
+      auto ev = std::make_shared<at::cuda::CUDAEvent>();
+      ev->record(*stream_);
+      item.ready = ev;
+    }
+#endif
+    return item;
+  }
+
+  data::Loader& loader_;
+  const EpochOptions& o_;
+  std::optional<Item> pending_;
+  bool primed_ = false;
+#ifdef IMGTRAIN_WITH_CUDA
+  std::optional<c10::cuda::CUDAStream> stream_;
+#endif
+};
 
 struct Normalizer {
   std::vector<double> mean, std;
@@ -304,8 +367,11 @@ EpochResult train_one_epoch(ClassifierImpl& model, data::Loader& loader, optim::
   auto data_start = Clock::now(), update_start = Clock::now();
   int64_t update_samples = 0;
   optimizer.zero_grad();
+  Prefetcher prefetcher(loader, o);
   for (int64_t batch_idx = first_batch; batch_idx < n_batches; ++batch_idx) {
-    auto b = loader.next();
+    auto item = prefetcher.next();
+    if (!item) throw std::logic_error("loader ended before its batch count");
+    data::Batch* b = &item->batch;
     data_time.update(seconds_since(data_start));
     const bool last_batch = batch_idx == n_batches - 1;
     ++micro_batches;
@@ -314,7 +380,7 @@ EpochResult train_one_epoch(ClassifierImpl& model, data::Loader& loader, optim::
     // timm: the final partial group divides by its own size.
     const int64_t accum = batch_idx >= last_batch_idx_to_accum ? last_accum : o.accum_steps;
     if (b->labels.size(0) > 0) {
-      auto x = model_input(b->images, o.device, o.mean, o.std, o.channels_last);
+      auto x = item->x;
       if (o.erase) x = random_erase(x, b->indices, *o.erase, o.seed, o.epoch);
       at::Tensor y = b->labels.to(o.device);
       if (o.mixup.active() && o.mixup_enabled && x.size(0) % 2 == 0) {

@@ -43,6 +43,9 @@ add('palette.png', rgb.convert('P', palette=Image.ADAPTIVE, colors=64))
 add('gray.png', rgb.convert('L'))
 add('plain.bmp', rgb)
 add('lossless.webp', rgb, lossless=True)
+# GIF: the first of two frames, PIL's convert('RGB').
+frames = [rgb.convert('P', palette=Image.ADAPTIVE, colors=128), rgb.rotate(90).convert('P', palette=Image.ADAPTIVE)]
+add('frames.gif', frames[0], save_all=True, append_images=frames[1:], duration=100)
 # 16-bit grayscale PNG: PIL's convert('L') of mode I;16 clips at 255 instead of scaling, so the
 # reference here is the 16-bit data itself (its top byte, rounded: v / 257).
 g16 = (base[..., 0].astype(np.uint16) * 257 + rng.integers(0, 257, (h, w))).astype(np.uint16)
