@@ -516,6 +516,8 @@ int fit(const cli::Config& cfg, torch::Device device, dist::Context* ctx);
 
 int train(const cli::Config& cfg) {
   if (cfg.resume != "auto") require_file(cfg.resume, "--resume");
+  if (cfg.resume == "auto" && cfg.experiment.empty())
+    throw UserError("--resume auto finds the run's folder from --experiment; give --experiment NAME");
   require_file(cfg.pretrained_path, "--pretrained-path");
   require_file(cfg.initial_checkpoint, "--initial-checkpoint");
   const auto denv = dist::read_env();
@@ -730,8 +732,6 @@ int fit(const cli::Config& cfg, torch::Device device, dist::Context* ctx) {
   // --resume auto (a restarted or preempted job): the newest checkpoint of this run's folder.
   std::string resume_path = cfg.resume;
   if (cfg.resume == "auto") {
-    if (cfg.experiment.empty())
-      throw UserError("--resume auto finds the run's folder from --experiment; give --experiment NAME");
     resume_path = find_latest_checkpoint(out_dir);
     if (resume_path.empty()) log::info("--resume auto: no checkpoint in '{}' yet; starting from scratch", out_dir);
   }

@@ -271,6 +271,12 @@ TEST_CASE("user errors give one clear line and exit code 2", "[integration]") {
                               (d / "garbage.safetensors")),
                     "not a valid safetensors file");
   expect_user_error(test::run(kBin + " models nosuchmodel"), "no model matches");
+  expect_user_error(test::run(kBin + " train --device cpu --data-dir " + data + " --resume auto"), "--experiment");
+  expect_user_error(test::run(kBin + " train --device cpu --data-dir " + data + " --nproc-per-node 2 --nnodes 2"),
+                    "--master-port");
+  expect_user_error(test::run(kBin + " pack --data-dir " + data + " --out " + (d / "s") + " --shard-size 3XB"),
+                    "--shard-size");
+  expect_user_error(test::run(kBin + " pack --data-dir " + (d / "nowhere") + " --out " + (d / "s")), "nowhere");
   auto r = test::run(kBin + " frobnicate");
   CHECK(r.code == 2);
 }
