@@ -145,7 +145,7 @@ int benchmark(const cli::Config& cfg) {
     log::info("Running {} benchmark on {} for {} steps w/ input size ({}, {}, {}) and batch size {}.", what,
               cfg.model, cfg.num_bench_iter, margs.in_chans, img, img, b);
     auto step = [&]() -> double {
-      if (train) opt->zero_grad();
+      if (train) opt->zero_grad(/*set_to_none=*/!sync);  // DDP: keep the bucket views
       const double t0 = now_s(device);
       if (train) {
         at::Tensor loss;

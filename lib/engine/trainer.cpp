@@ -366,7 +366,9 @@ EpochResult train_one_epoch(ClassifierImpl& model, data::Loader& loader, optim::
   int64_t updates_done = 0, micro_batches = 0;
   auto data_start = Clock::now(), update_start = Clock::now();
   int64_t update_samples = 0;
-  optimizer.zero_grad();
+  // Under DDP the gradients are zeroed in place: they stay views of the reducer's buckets.
+  const bool set_to_none = o.grad_sync == nullptr || o.master != nullptr;
+  optimizer.zero_grad(set_to_none);
   Prefetcher prefetcher(loader, o);
   for (int64_t batch_idx = first_batch; batch_idx < n_batches; ++batch_idx) {
     auto item = prefetcher.next();
@@ -428,7 +430,7 @@ EpochResult train_one_epoch(ClassifierImpl& model, data::Loader& loader, optim::
       ++res.skipped_steps;
     }
     if (o.scaler) o.scaler->update();
-    optimizer.zero_grad();
+    optimizer.zero_grad(set_to_none);
     ++num_updates;
     ++updates_done;
     if (ema) ema->update(num_updates);

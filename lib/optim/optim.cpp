@@ -82,10 +82,18 @@ std::vector<ParamGroup> layer_decay_groups(const std::vector<std::pair<std::stri
   return groups;
 }
 
-void Optimizer::zero_grad() {
+void Optimizer::zero_grad(bool set_to_none) {
   for (auto& g : groups_)
-    for (auto& p : g.params)
-      if (p.grad().defined()) p.mutable_grad() = at::Tensor();  // set_to_none, as torch 2.x
+    for (auto& p : g.params) {
+      if (!p.grad().defined()) continue;
+      if (set_to_none) p.mutable_grad() = at::Tensor();
+      else {  // as torch's Optimizer.zero_grad(set_to_none=False)
+        auto& grad = p.mutable_grad();
+        if (grad.grad_fn()) grad.detach_();
+        else grad.requires_grad_(false);
+        grad.zero_();
+      }
+    }
 }
 
 double Optimizer::mean_lr() const {

@@ -47,7 +47,9 @@ class Optimizer {
  public:
   virtual ~Optimizer() = default;
   virtual void step() = 0;
-  void zero_grad();
+  // set_to_none (torch 2.x's default) drops the gradients; false zeroes them in place, which keeps
+  // DDP's bucket views as the gradients (no copy into the buckets each step).
+  void zero_grad(bool set_to_none = true);
   std::vector<ParamGroup>& groups() { return groups_; }
   // Named state tensors ("<param>.<buffer>", "<param>.step"), for checkpoints; loading moves
   // them to each parameter's device and dtype.
