@@ -357,7 +357,7 @@ ClassScan scan_class(const fs::path& dir) {
 }
 
 // Where the scan of `folder` is cached: $XDG_CACHE_HOME/imgtrain (or ~/.cache/imgtrain), one
-// file per absolute folder path. IMGTRAIN_SCAN_CACHE=0 turns caching off.
+// file per absolute folder path of 10,000 files or more. IMGTRAIN_SCAN_CACHE=0 turns caching off.
 std::string scan_cache_path(const std::string& folder) {
   if (const char* v = std::getenv("IMGTRAIN_SCAN_CACHE"); v && std::string(v) == "0") return "";
   std::string base;
@@ -377,7 +377,11 @@ class ImageFolder : public Dataset {
     const std::string cache = scan_cache_path(folder);
     if (cache.empty() || !load_cache(cache)) {
       scan();
-      if (!cache.empty()) save_cache(cache);
+      // Small folders scan in milliseconds: only large ones (10,000 files; env
+      // IMGTRAIN_SCAN_CACHE_MIN_FILES) leave a cache file behind.
+      const char* m = std::getenv("IMGTRAIN_SCAN_CACHE_MIN_FILES");
+      const size_t min_files = m && *m ? size_t(std::strtoull(m, nullptr, 10)) : 10000;
+      if (!cache.empty() && samples_.size() >= min_files) save_cache(cache);
     }
     if (samples_.empty())
       throw UserError(fmt::format("no images (jpg, jpeg, png, bmp, webp, gif) in class subfolders of '{}'", folder));

@@ -591,6 +591,9 @@ TEST_CASE("ImageFolder's scan is cached and invalidated when a folder changes", 
   test::TempDir dir("scan");
   write_jpeg_folder(dir / "in", 9);
   setenv("XDG_CACHE_HOME", (dir / "cache").c_str(), 1);
+  auto small = create_dataset("", dir / "in", "train");  // below the default 10,000 files: no cache
+  CHECK(!std::filesystem::exists(dir / "cache/imgtrain"));
+  setenv("IMGTRAIN_SCAN_CACHE_MIN_FILES", "1", 1);
   auto a = create_dataset("", dir / "in", "train");
   CHECK(a->size() == 9);
   std::vector<std::string> cached;
@@ -612,5 +615,6 @@ TEST_CASE("ImageFolder's scan is cached and invalidated when a folder changes", 
   std::filesystem::last_write_time(cls, t + std::chrono::seconds(5));
   CHECK(create_dataset("", dir / "in", "train")->size() == 9);
   unsetenv("IMGTRAIN_SCAN_CACHE");
+  unsetenv("IMGTRAIN_SCAN_CACHE_MIN_FILES");
   unsetenv("XDG_CACHE_HOME");
 }
