@@ -30,6 +30,25 @@ std::optional<int> launch_workers(const cli::Config& cfg, const char* command, c
   argv.insert(argv.end(), args.begin(), args.end());
   return dist::launch(lo, argv);
 }
+
+// The flags of a small subcommand (export, pack); nullopt after printing --help.
+std::optional<cxxopts::ParseResult> parse_command(cxxopts::Options& opts, const char* name,
+                                                  const std::vector<std::string>& args) {
+  std::vector<std::string> a = args;
+  std::vector<char*> argv{const_cast<char*>(name)};
+  for (auto& s : a) argv.push_back(s.data());
+  cxxopts::ParseResult r;
+  try {
+    r = opts.parse(int(argv.size()), argv.data());
+  } catch (const cxxopts::exceptions::exception& e) {
+    throw UserError(fmt::format("{}: {}", name, e.what()));
+  }
+  if (r.count("help")) {
+    std::puts(opts.help().c_str());
+    return std::nullopt;
+  }
+  return r;
+}
 }  // namespace
 
 int train(const std::vector<std::string>& args) {
@@ -88,19 +107,9 @@ int export_weights(const std::vector<std::string>& args) {
   opts.add_options()("checkpoint", "Checkpoint written by imgtrain train", cxxopts::value<std::string>())(
       "use-ema", "Export the EMA weights")("out", "Output file (.safetensors)", cxxopts::value<std::string>())(
       "h,help", "Show this help");
-  std::vector<std::string> a = args;
-  std::vector<char*> argv{const_cast<char*>("imgtrain export")};
-  for (auto& s : a) argv.push_back(s.data());
-  cxxopts::ParseResult r;
-  try {
-    r = opts.parse(int(argv.size()), argv.data());
-  } catch (const cxxopts::exceptions::exception& e) {
-    throw UserError(std::string("export: ") + e.what());
-  }
-  if (r.count("help")) {
-    std::puts(opts.help().c_str());
-    return 0;
-  }
+  auto parsed = parse_command(opts, "export", args);
+  if (!parsed) return 0;
+  auto& r = *parsed;
   if (!r.count("checkpoint") || !r.count("out")) throw UserError("export needs --checkpoint FILE and --out FILE.safetensors");
   const auto ckpt = r["checkpoint"].as<std::string>(), out = r["out"].as<std::string>();
   if (out.size() < 12 || out.substr(out.size() - 12) != ".safetensors")
@@ -156,19 +165,9 @@ int pack(const std::vector<std::string>& args) {
       "shard-size", "Bytes per shard (e.g. 1GB, 256MB)", cxxopts::value<std::string>()->default_value("1GB"))(
       "max-size", "Re-encode (JPEG q90) images whose long side exceeds this (0: copy as is)",
       cxxopts::value<int>()->default_value("0"))("h,help", "Show this help");
-  std::vector<std::string> a = args;
-  std::vector<char*> argv{const_cast<char*>("imgtrain pack")};
-  for (auto& s : a) argv.push_back(s.data());
-  cxxopts::ParseResult r;
-  try {
-    r = opts.parse(int(argv.size()), argv.data());
-  } catch (const cxxopts::exceptions::exception& e) {
-    throw UserError(std::string("pack: ") + e.what());
-  }
-  if (r.count("help")) {
-    std::puts(opts.help().c_str());
-    return 0;
-  }
+  auto parsed = parse_command(opts, "pack", args);
+  if (!parsed) return 0;
+  auto& r = *parsed;
   if (!r.count("data-dir") || !r.count("out")) throw UserError("pack needs --data-dir FOLDER and --out FOLDER");
   data::PackOptions po;
   po.data_dir = r["data-dir"].as<std::string>();

@@ -1,6 +1,7 @@
 #include "data/dataset.h"
 
 #include "core/error.h"
+#include "core/parallel.h"
 #include "data/shards.h"
 
 #include <fmt/format.h>
@@ -22,9 +23,7 @@
 #include <fstream>
 #include <map>
 #include <sstream>
-#include <atomic>
 #include <chrono>
-#include <thread>
 #include <unistd.h>
 
 namespace fs = std::filesystem;
@@ -77,24 +76,30 @@ struct TjHandle {
   tjhandle h = tjInitDecompress();
   ~TjHandle() { tjDestroy(h); }
 };
+
+struct JpegHeader {
+  int width = 0, height = 0, colorspace = 0;
+};
+
+JpegHeader read_jpeg_header(const TjHandle& tj, const std::string& bytes, const std::string& what) {
+  JpegHeader hdr;
+  int subsamp = 0;
+  if (tjDecompressHeader3(tj.h, reinterpret_cast<const unsigned char*>(bytes.data()), (unsigned long)bytes.size(),
+                          &hdr.width, &hdr.height, &subsamp, &hdr.colorspace) != 0 || hdr.width <= 0 || hdr.height <= 0)
+    throw DecodeError(fmt::format("cannot decode JPEG '{}': {}", what, tjGetErrorStr2(tj.h)));
+  return hdr;
+}
 }  // namespace
 
 cv::Size jpeg_size(const std::string& bytes, const std::string& what) {
-  TjHandle tj;
-  int w = 0, hgt = 0, subsamp = 0, colorspace = 0;
-  if (tjDecompressHeader3(tj.h, reinterpret_cast<const unsigned char*>(bytes.data()), (unsigned long)bytes.size(), &w,
-                          &hgt, &subsamp, &colorspace) != 0 || w <= 0 || hgt <= 0)
-    throw DecodeError(fmt::format("cannot decode JPEG '{}': {}", what, tjGetErrorStr2(tj.h)));
-  return {w, hgt};
+  const auto hdr = read_jpeg_header(TjHandle{}, bytes, what);
+  return {hdr.width, hdr.height};
 }
 
 cv::Mat decode_jpeg(const std::string& bytes, int denom, const std::string& what) {
   TjHandle tj;
   const auto* p = reinterpret_cast<const unsigned char*>(bytes.data());
-  int w = 0, hgt = 0, subsamp = 0, colorspace = 0;
-  if (tjDecompressHeader3(tj.h, p, (unsigned long)bytes.size(), &w, &hgt, &subsamp, &colorspace) != 0 || w <= 0 ||
-      hgt <= 0)
-    throw DecodeError(fmt::format("cannot decode JPEG '{}': {}", what, tjGetErrorStr2(tj.h)));
+  const auto [w, hgt, colorspace] = read_jpeg_header(tj, bytes, what);
   const tjscalingfactor sf{1, denom};
   const int sw = TJSCALED(w, sf), sh = TJSCALED(hgt, sf);
   if (colorspace == TJCS_CMYK || colorspace == TJCS_YCCK) {
@@ -407,8 +412,7 @@ class ImageFolder : public Dataset {
   std::vector<std::string> class_names() const override { return classes_; }
 
  private:
-  // Class folders scanned in parallel (the file system, not the CPU, is the limit: many requests
-  // in flight help on network storage).
+  // Class folders scanned in parallel (many requests in flight help on network storage).
   void scan() {
     std::error_code ec;
     classes_.clear();
@@ -419,14 +423,7 @@ class ImageFolder : public Dataset {
       if (entry.is_directory()) classes_.push_back(entry.path().filename().string());
     std::sort(classes_.begin(), classes_.end());
     std::vector<ClassScan> found(classes_.size());
-    std::atomic<size_t> next{0};
-    std::vector<std::thread> pool;
-    const size_t threads = std::min<size_t>(16, std::max<size_t>(1, classes_.size()));
-    for (size_t t = 0; t < threads; ++t)
-      pool.emplace_back([&] {
-        for (size_t c; (c = next++) < classes_.size();) found[c] = scan_class(fs::path(folder_) / classes_[c]);
-      });
-    for (auto& t : pool) t.join();
+    parallel_for(classes_.size(), 16, [&](size_t c) { found[c] = scan_class(fs::path(folder_) / classes_[c]); });
     for (size_t c = 0; c < classes_.size(); ++c) {
       for (auto& f : found[c].files) samples_.emplace_back(std::move(f), int64_t(c));
       for (auto& d : found[c].dirs) dirs_.push_back(std::move(d));
@@ -439,27 +436,26 @@ class ImageFolder : public Dataset {
     std::string line;
     if (!f || !std::getline(f, line) || line != "imgtrain-scan 1") return false;
     if (!std::getline(f, line) || line != folder_) return false;
-    size_t n = 0;
-    f >> n;
-    std::getline(f, line);
-    for (size_t i = 0; i < n; ++i) {
-      int64_t t = 0;
-      f >> t;
+    auto count = [&] {
+      size_t n = 0;
+      f >> n;
+      std::getline(f, line);
+      return n;
+    };
+    auto number_and_text = [&](int64_t& v) {  // "<number> <text>" lines
+      f >> v;
       f.get();
-      if (!std::getline(f, line) || mtime_ns(line) != t) return false;
-      dirs_.emplace_back(line, t);
+      return bool(std::getline(f, line));
+    };
+    int64_t v = 0;
+    for (size_t i = 0, n = count(); i < n; ++i) {
+      if (!number_and_text(v) || mtime_ns(line) != v) return reset();
+      dirs_.emplace_back(line, v);
     }
-    f >> n;
-    std::getline(f, line);
-    for (size_t i = 0; i < n && std::getline(f, line); ++i) classes_.push_back(line);
-    f >> n;
-    std::getline(f, line);
-    for (size_t i = 0; i < n; ++i) {
-      int64_t c = 0;
-      f >> c;
-      f.get();
-      if (!std::getline(f, line) || c < 0 || c >= int64_t(classes_.size())) return reset();
-      samples_.emplace_back(line, c);
+    for (size_t i = 0, n = count(); i < n && std::getline(f, line); ++i) classes_.push_back(line);
+    for (size_t i = 0, n = count(); i < n; ++i) {
+      if (!number_and_text(v) || v < 0 || v >= int64_t(classes_.size())) return reset();
+      samples_.emplace_back(line, v);
     }
     return bool(f) ? true : reset();
   }

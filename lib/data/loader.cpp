@@ -50,16 +50,25 @@ size_t repeat_aug_samples(int64_t n, double repeats, int64_t world) {
   return size_t(std::min(selected, num_samples));
 }
 
+namespace {
+// An epoch's base order: torch.randperm(n) from a generator seeded with `seed` (the samplers'
+// scheme), or 0..n-1.
+std::vector<int64_t> permutation(int64_t n, bool shuffle, uint64_t seed) {
+  std::vector<int64_t> order(static_cast<size_t>(n));
+  if (!shuffle) {
+    for (int64_t i = 0; i < n; ++i) order[size_t(i)] = i;
+    return order;
+  }
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  auto perm = at::randperm(n, gen, at::TensorOptions().dtype(at::kLong));
+  order.assign(perm.data_ptr<int64_t>(), perm.data_ptr<int64_t>() + n);
+  return order;
+}
+}  // namespace
+
 std::vector<int64_t> repeat_aug_share(int64_t n, int64_t epoch, bool shuffle, double repeats, int64_t rank,
                                       int64_t world) {
-  std::vector<int64_t> perm(static_cast<size_t>(n));
-  if (shuffle) {
-    auto gen = at::make_generator<at::CPUGeneratorImpl>(uint64_t(epoch));  // timm seeds with the epoch alone
-    auto p = at::randperm(n, gen, at::TensorOptions().dtype(at::kLong));
-    perm.assign(p.data_ptr<int64_t>(), p.data_ptr<int64_t>() + n);
-  } else {
-    for (int64_t i = 0; i < n; ++i) perm[size_t(i)] = i;
-  }
+  const auto perm = permutation(n, shuffle, uint64_t(epoch));  // timm seeds with the epoch alone
   // Each index repeated (a fractional count repeats the first ones once more), as sample keys.
   std::vector<int64_t> keys;
   const bool integral = repeats == std::floor(repeats);
@@ -68,7 +77,7 @@ std::vector<int64_t> repeat_aug_share(int64_t n, int64_t epoch, bool shuffle, do
   int64_t copy = 0;
   for (int64_t i = 0; i < total; ++i) {
     const int64_t src = integral ? i / int64_t(repeats) : int64_t(std::floor(double(i) / repeats));
-    copy = i > 0 && !keys.empty() && keys.back() % n == perm[size_t(src)] ? copy + 1 : 0;
+    copy = !keys.empty() && keys.back() % n == perm[size_t(src)] ? copy + 1 : 0;
     keys.push_back(perm[size_t(src)] + copy * n);
   }
   const int64_t num_samples = int64_t(std::ceil(double(n) * repeats / double(world)));
@@ -82,9 +91,7 @@ std::vector<int64_t> repeat_aug_share(int64_t n, int64_t epoch, bool shuffle, do
 std::vector<int64_t> shard_order(const std::vector<size_t>& starts, uint64_t seed, int64_t epoch, int64_t rank,
                                  int64_t world, size_t buffer, size_t n) {
   const int64_t shards = int64_t(starts.size()) - 1;
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed + uint64_t(epoch));
-  auto perm = at::randperm(shards, gen, at::TensorOptions().dtype(at::kLong));
-  const auto* p = perm.data_ptr<int64_t>();
+  const auto p = permutation(shards, true, seed + uint64_t(epoch));
   // Enough shards: each rank reads its own (r, r + W, ...); too few: every rank reads all of them
   // and takes every W-th sample of the shuffled stream.
   const bool split_shards = shards >= world;
@@ -93,21 +100,17 @@ std::vector<int64_t> shard_order(const std::vector<size_t>& starts, uint64_t see
     for (size_t i = starts[size_t(p[k])]; i < starts[size_t(p[k]) + 1]; ++i) stream.push_back(int64_t(i));
   auto rng = sample_rng(seed ^ 0x7368756666ull, uint64_t(epoch), uint64_t(split_shards ? rank : 0));
   std::vector<int64_t> buf, out;
-  for (int64_t s : stream) {  // WebDataset's shuffle: fill, then emit a random element per input
-    buf.push_back(s);
-    if (buf.size() >= std::max<size_t>(buffer, 1)) {
-      const size_t j = size_t(randint(rng, 0, int64_t(buf.size()) - 1));
-      out.push_back(buf[j]);
-      buf[j] = buf.back();
-      buf.pop_back();
-    }
-  }
-  while (!buf.empty()) {
+  auto emit_random = [&] {
     const size_t j = size_t(randint(rng, 0, int64_t(buf.size()) - 1));
     out.push_back(buf[j]);
     buf[j] = buf.back();
     buf.pop_back();
+  };
+  for (int64_t s : stream) {  // WebDataset's shuffle: fill, then emit a random element per input
+    buf.push_back(s);
+    if (buf.size() >= std::max<size_t>(buffer, 1)) emit_random();
   }
+  while (!buf.empty()) emit_random();
   if (!split_shards) out = rank_share(out, rank, world);
   std::vector<int64_t> sized;
   for (size_t i = 0; i < n && !out.empty(); ++i) sized.push_back(out[i % out.size()]);
@@ -119,22 +122,16 @@ void Loader::start_epoch(int64_t epoch, size_t first_batch) {
   epoch_ = epoch;
   const int64_t n = int64_t(ds_->size());
   const auto starts = ds_->shard_starts();
-  if (opt_.repeats <= 0 && opt_.shuffle && starts.size() > 1) {
+  if (opt_.repeats > 0) {
+    order_ = repeat_aug_share(n, epoch, opt_.shuffle, opt_.repeats, opt_.rank, opt_.world);
+  } else if (opt_.shuffle && starts.size() > 1) {
     order_ = shard_order(starts, opt_.seed, epoch, opt_.rank, opt_.world, size_t(opt_.shuffle_buffer),
                          (ds_->size() + size_t(opt_.world) - 1) / size_t(opt_.world));
-  } else if (opt_.repeats > 0) {
-    order_ = repeat_aug_share(n, epoch, opt_.shuffle, opt_.repeats, opt_.rank, opt_.world);
-  } else if (opt_.shuffle) {
-    // torch.utils.data.DistributedSampler: g.manual_seed(seed + epoch); randperm(n, generator=g)
-    auto gen = at::make_generator<at::CPUGeneratorImpl>(opt_.seed + uint64_t(epoch));
-    auto perm = at::randperm(n, gen, at::TensorOptions().dtype(at::kLong));
-    order_.assign(perm.data_ptr<int64_t>(), perm.data_ptr<int64_t>() + n);
   } else {
-    order_.resize(size_t(n));
-    for (int64_t i = 0; i < n; ++i) order_[size_t(i)] = i;
+    // torch.utils.data.DistributedSampler: g.manual_seed(seed + epoch); randperm(n, generator=g)
+    order_ = permutation(n, opt_.shuffle, opt_.seed + uint64_t(epoch));
+    if (opt_.world > 1) order_ = rank_share(order_, opt_.rank, opt_.world);
   }
-  if (opt_.world > 1 && opt_.repeats <= 0 && !(opt_.shuffle && starts.size() > 1))
-    order_ = rank_share(order_, opt_.rank, opt_.world);
   next_batch_ = std::min(first_batch, num_batches_);
   next_to_make_ = next_batch_;
   skipped_epoch_ = 0;

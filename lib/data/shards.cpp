@@ -2,20 +2,18 @@
 
 #include "core/error.h"
 #include "core/log.h"
+#include "core/parallel.h"
 
 #include <fmt/format.h>
 #include <opencv2/imgproc.hpp>
 #include <turbojpeg.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
-#include <mutex>
 #include <optional>
-#include <thread>
 
 namespace fs = std::filesystem;
 
@@ -133,13 +131,7 @@ class TarShards : public Dataset {
     const auto paths = find_shards(folder);
     if (paths.empty()) throw UserError(fmt::format("no .tar shards in '{}'", folder));
     std::vector<ShardSamples> shards(paths.size());
-    std::atomic<size_t> next{0};
-    std::vector<std::thread> pool;
-    for (int t = 0; t < std::max(1, std::min<int>(threads, int(paths.size()))); ++t)
-      pool.emplace_back([&] {
-        for (size_t s; (s = next++) < paths.size();) shards[s] = scan_shard(paths[s]);
-      });
-    for (auto& t : pool) t.join();
+    parallel_for(paths.size(), size_t(std::max(threads, 1)), [&](size_t i) { shards[i] = scan_shard(paths[i]); });
     int64_t skipped = 0;
     for (auto& sh : shards) {
       if (!sh.error.empty()) log::warn("shard '{}': {}; using the {} samples before it", sh.path, sh.error, sh.images.size());

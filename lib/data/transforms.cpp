@@ -126,13 +126,25 @@ int dct_denominator(int w, int h, int min_w, int min_h) {
   return 1;
 }
 
+// The deterministic resize + center crop of evaluation (shorter side to floor(size / crop_pct))
+// and of --no-aug training (shorter side to size; "random" interpolation means bilinear).
+struct CenterCrop {
+  int scale_size;
+  std::string interp;
+};
+CenterCrop center_crop_params(const TransformConfig& tc) {
+  if (!tc.train) return {int(std::floor(tc.size / tc.crop_pct)), tc.interpolation};
+  return {tc.size, tc.interpolation == "random" ? "bilinear" : tc.interpolation};
+}
+
 }  // namespace
 
 cv::Mat apply_transform(const cv::Mat& in, const TransformConfig& tc, std::mt19937_64& rng) {
   cv::Mat img = to_channels(in, tc.channels);
-  if (!tc.train) return contiguous(resize_center_crop(img, int(std::floor(tc.size / tc.crop_pct)), tc.size, tc.interpolation));
-  if (tc.no_aug)
-    return contiguous(resize_center_crop(img, tc.size, tc.size, tc.interpolation == "random" ? "bilinear" : tc.interpolation));
+  if (!tc.train || tc.no_aug) {
+    const auto cc = center_crop_params(tc);
+    return contiguous(resize_center_crop(img, cc.scale_size, tc.size, cc.interp));
+  }
   CropBox box = random_resized_crop_box(img.rows, img.cols, tc.scale, tc.ratio, rng);
   return contiguous(train_from_crop(img(cv::Rect(box.left, box.top, box.width, box.height)), tc, rng));
 }
@@ -142,17 +154,15 @@ cv::Mat apply_transform_encoded(const std::string& bytes, const TransformConfig&
   if (!is_jpeg(bytes)) return apply_transform(decode_image(bytes, what), tc, rng);
   const cv::Size full = jpeg_size(bytes, what);
   if (!tc.train || tc.no_aug) {
-    const int scale_size = tc.train ? tc.size : int(std::floor(tc.size / tc.crop_pct));
-    const std::string interp = tc.train && tc.interpolation == "random" ? "bilinear" : tc.interpolation;
+    const auto cc = center_crop_params(tc);
     const int shorter = std::min(full.width, full.height);
-    const int d = dct_denominator(shorter, shorter, scale_size, scale_size);
+    const int d = dct_denominator(shorter, shorter, cc.scale_size, cc.scale_size);
     cv::Mat img = to_channels(decode_jpeg(bytes, d, what), tc.channels);
-    return contiguous(resize_center_crop(img, scale_size, tc.size, interp));
+    return contiguous(resize_center_crop(img, cc.scale_size, tc.size, cc.interp));
   }
-  // The crop is drawn on the full-size geometry (the same draws as a full decode), then the JPEG
-  // is decoded at the smallest DCT scale that still leaves the crop at least the output size.
+  // The crop is drawn on the full-size geometry (the same draws as a full decode), then only its
+  // rows and columns are decoded, at the smallest DCT scale that keeps it at least the output size.
   CropBox box = random_resized_crop_box(full.height, full.width, tc.scale, tc.ratio, rng);
-  // Only the crop's rows and columns are decoded.
   const int d = dct_denominator(box.width, box.height, tc.size, tc.size);
   cv::Rect r(box.left, box.top, box.width, box.height);
   if (d > 1) {

@@ -87,7 +87,7 @@ class ReducerSync : public GradSync {
       params.push_back(p.value());
     }
     if (broadcast_buffers) buffers_ = m.buffers();
-    auto [buckets, limits] = c10d::compute_bucket_assignment_by_size(params, {size_t(INT64_MAX)});
+    auto buckets = std::get<0>(c10d::compute_bucket_assignment_by_size(params, {size_t(INT64_MAX)}));
     std::reverse(buckets.begin(), buckets.end());
     const int64_t cap = int64_t(cap_mb * 1024 * 1024);
     const bool default_cap = cap_mb == 25.0;
@@ -145,7 +145,7 @@ struct SyncBatchNormFn : torch::autograd::Function<SyncBatchNormFn> {
     auto y = (xf * scale.view(shape) + shift.view(shape)).to(x.scalar_type());
     ac->save_for_backward({x, weight, mean, invstd});
     ac->saved_data["count"] = total_count;
-    ac->saved_data["ctx"] = ctx_ptr;
+    ac->saved_data["ctx"] = ctx_ptr;  // saved_data holds IValues only: the Context as an integer
     return y;
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ac,

@@ -26,20 +26,8 @@ double now_s(torch::Device dev) {
 // batches) with -j threads over the --data-dir training split, no model.
 int benchmark_data(const cli::Config& cfg) {
   auto ds = data::create_dataset(cfg.dataset, cfg.data_dir, cfg.train_split);
-  data::TransformConfig tc;
-  tc.train = true;
-  tc.size = int(cfg.img_size.value_or(224));
-  tc.channels = int(cfg.in_chans.value_or(3));
-  tc.scale = cfg.scale;
-  tc.ratio = cfg.ratio;
-  tc.hflip = cfg.hflip;
-  tc.interpolation = cfg.train_interpolation;
-  data::LoaderOptions lo;
-  lo.batch_size = cfg.batch_size;
-  lo.shuffle = true;
-  lo.drop_last = true;
-  lo.workers = cfg.workers;
-  lo.seed = uint64_t(cfg.seed);
+  const auto tc = train_geometry(cfg, int(cfg.img_size.value_or(224)), int(cfg.in_chans.value_or(3)));
+  const auto lo = train_loader_options(cfg);
   data::Loader loader(ds, tc, lo);
   if (loader.num_batches() == 0)
     throw UserError(fmt::format("--batch-size {}: the split has only {} images", cfg.batch_size, ds->size()));
@@ -88,17 +76,7 @@ int benchmark(const cli::Config& cfg) {
   auto device = resolve_device(cfg.device);
   // Under a launcher the train benchmark is data parallel: each process steps its own batch and
   // the gradients are all-reduced as in training (the reported step time is rank 0's).
-  const auto denv = dist::read_env();
-  std::shared_ptr<dist::Context> ctx;
-  if (denv.distributed()) {
-    log::set_rank(int(denv.rank));
-    if (device.is_cuda()) device = torch::Device(torch::kCUDA, c10::DeviceIndex(denv.local_rank));
-    dist::InitOptions io;
-    io.backend = cfg.dist_backend;
-    io.timeout = std::chrono::seconds(cfg.dist_timeout);
-    io.device = device;
-    ctx = dist::Context::init(denv, io);
-  }
+  auto ctx = join_process_group(cfg, device);
   const Amp amp = resolve_amp(cfg);
   const auto& d = model_zoo::model_defaults(cfg.model);
   // timm: the test input size unless --img-size or --use-train-size.

@@ -516,30 +516,54 @@ std::string find_latest_checkpoint(const std::string& dir) {
 int fit(const cli::Config& cfg, torch::Device device, dist::Context* ctx);
 }  // namespace
 
+std::shared_ptr<dist::Context> join_process_group(const cli::Config& cfg, torch::Device& device) {
+  const auto denv = dist::read_env();
+  log::set_rank(int(denv.rank));
+  if (!denv.distributed()) return nullptr;
+  if (device.is_cuda()) {  // one device per process: the local rank's
+    if (denv.local_rank >= int64_t(torch::cuda::device_count()))
+      throw UserError(fmt::format("LOCAL_RANK {}: only {} CUDA device(s) on this host", denv.local_rank,
+                                  torch::cuda::device_count()));
+    device = torch::Device(torch::kCUDA, c10::DeviceIndex(denv.local_rank));
+  }
+  dist::InitOptions io;
+  io.backend = cfg.dist_backend;
+  io.timeout = std::chrono::seconds(cfg.dist_timeout);
+  io.device = device;
+  return dist::Context::init(denv, io);
+}
+
+data::TransformConfig train_geometry(const cli::Config& cfg, int size, int channels) {
+  data::TransformConfig tc;
+  tc.train = true;
+  tc.size = size;
+  tc.channels = channels;
+  tc.scale = cfg.scale;
+  tc.ratio = cfg.ratio;
+  tc.hflip = cfg.hflip;
+  tc.interpolation = cfg.train_interpolation;
+  return tc;
+}
+
+data::LoaderOptions train_loader_options(const cli::Config& cfg) {
+  data::LoaderOptions lo;
+  lo.batch_size = cfg.batch_size;
+  lo.shuffle = true;
+  lo.drop_last = true;
+  lo.workers = cfg.workers;
+  lo.seed = uint64_t(cfg.seed);
+  return lo;
+}
+
 int train(const cli::Config& cfg) {
   if (cfg.resume != "auto") require_file(cfg.resume, "--resume");
   if (cfg.resume == "auto" && cfg.experiment.empty())
     throw UserError("--resume auto finds the run's folder from --experiment; give --experiment NAME");
   require_file(cfg.pretrained_path, "--pretrained-path");
   require_file(cfg.initial_checkpoint, "--initial-checkpoint");
-  const auto denv = dist::read_env();
-  log::set_rank(int(denv.rank));
   dist::install_stop_handlers();
   auto device = resolve_device(cfg.device);
-  std::shared_ptr<dist::Context> ctx;
-  if (denv.distributed()) {
-    if (device.is_cuda()) {  // one device per process: the local rank's
-      if (denv.local_rank >= int64_t(torch::cuda::device_count()))
-        throw UserError(fmt::format("LOCAL_RANK {}: only {} CUDA device(s) on this host", denv.local_rank,
-                                    torch::cuda::device_count()));
-      device = torch::Device(torch::kCUDA, c10::DeviceIndex(denv.local_rank));
-    }
-    dist::InitOptions io;
-    io.backend = cfg.dist_backend;
-    io.timeout = std::chrono::seconds(cfg.dist_timeout);
-    io.device = device;
-    ctx = dist::Context::init(denv, io);
-  }
+  auto ctx = join_process_group(cfg, device);
   try {
     return fit(cfg, device, ctx.get());
   } catch (const UserError&) {
@@ -618,10 +642,8 @@ int fit(const cli::Config& cfg, torch::Device device, dist::Context* ctx) {
   std::unique_ptr<MasterWeights> master;
   if (amp.o2) master = std::make_unique<MasterWeights>(*model, amp.dtype);
 
-  data::TransformConfig train_tc;
-  train_tc.train = true;
+  data::TransformConfig train_tc = train_geometry(cfg, int(dc.img_size), int(dc.in_chans));
   train_tc.no_aug = cfg.no_aug;
-  train_tc.size = int(dc.img_size);
   train_tc.vflip = cfg.vflip;
   if (!cfg.aa.empty() && !cfg.no_aug) {
     std::vector<double> mean(dc.mean.begin(), dc.mean.end());
@@ -630,22 +652,12 @@ int fit(const cli::Config& cfg, torch::Device device, dist::Context* ctx) {
   }
   // timm: colour jitter only without an --aa policy (or with a '3a' one)
   train_tc.color_jitter = cfg.aa.empty() || cfg.aa.find("3a") != std::string::npos ? cfg.color_jitter : 0.0;
-  train_tc.channels = int(dc.in_chans);
-  train_tc.scale = cfg.scale;
-  train_tc.ratio = cfg.ratio;
-  train_tc.hflip = cfg.hflip;
-  train_tc.interpolation = cfg.train_interpolation;
   data::TransformConfig eval_tc = train_tc;
   eval_tc.train = false;
   eval_tc.crop_pct = dc.crop_pct;
   eval_tc.interpolation = dc.interpolation;
 
-  data::LoaderOptions lo;
-  lo.batch_size = cfg.batch_size;
-  lo.shuffle = true;
-  lo.drop_last = true;
-  lo.workers = cfg.workers;
-  lo.seed = uint64_t(cfg.seed);
+  data::LoaderOptions lo = train_loader_options(cfg);
   lo.pin_memory = cfg.pin_mem && device.is_cuda();
   lo.rank = rank;
   lo.world = world;
@@ -954,8 +966,6 @@ int fit(const cli::Config& cfg, torch::Device device, dist::Context* ctx) {
       saver.save(epoch, metric, [&](const std::string& path) {
         write_checkpoint(path, epoch, metric, best_metric, best_epoch, plateau, {});
       });
-    else if (new_best)
-      saver.best_metric = metric, saver.best_epoch = epoch;
     if (epoch + 1 < num_epochs) {  // a stop request during evaluation: after this epoch's checkpoint
       const int sig = dist::stop_signal();
       if (ctx ? ctx->any(sig != 0) : sig != 0) {

@@ -70,6 +70,15 @@ int validate(const cli::Config& cfg);
 // timm benchmark.py: synthetic inputs, inference and/or train steps, timm's result fields.
 int benchmark(const cli::Config& cfg);
 
+// Joins the job's process group when a launcher started this process (torchrun's / SLURM's
+// variables), moving `device` to cuda:LOCAL_RANK; null for a single process. Sets the log rank.
+std::shared_ptr<dist::Context> join_process_group(const cli::Config& cfg, torch::Device& device);
+// The training input's random geometry (RandomResizedCrop --scale/--ratio, --hflip,
+// --train-interpolation) and loader settings (shuffled, drop_last, -j, --seed), shared by
+// training and `benchmark --bench data`.
+data::TransformConfig train_geometry(const cli::Config& cfg, int size, int channels);
+data::LoaderOptions train_loader_options(const cli::Config& cfg);
+
 // --device auto|cpu|cuda|cuda:N, checked against what this machine has.
 torch::Device resolve_device(const std::string& device);
 struct Amp {

@@ -77,13 +77,21 @@ void save_safetensors(const std::string& path, const std::vector<std::pair<std::
   if (std::rename(tmp.c_str(), path.c_str()) != 0) throw UserError("cannot rename '" + tmp + "' to '" + path + "'");
 }
 
+namespace {
+// The little-endian u64 that starts every safetensors file: the JSON header's length.
+uint64_t header_length(const char* first8) {
+  uint64_t n = 0;
+  for (int i = 0; i < 8; ++i) n |= uint64_t(uint8_t(first8[i])) << (8 * i);
+  return n;
+}
+}  // namespace
+
 SafeTensors parse_safetensors(const std::string& bytes, const std::string& what) {
   auto bad = [&](const std::string& why) -> UserError {
     return UserError(fmt::format("'{}' is not a valid safetensors file: {}", what, why));
   };
   if (bytes.size() < 8) throw bad("shorter than the 8-byte header length");
-  uint64_t hn = 0;
-  for (int i = 0; i < 8; ++i) hn |= uint64_t(uint8_t(bytes[i])) << (8 * i);
+  const uint64_t hn = header_length(bytes.data());
   if (hn > bytes.size() - 8) throw bad(fmt::format("header length {} exceeds the file size {}", hn, bytes.size()));
   nlohmann::json header;
   try {
@@ -161,8 +169,7 @@ std::map<std::string, std::string> load_safetensors_metadata(const std::string& 
   if (!f) throw UserError(fmt::format("cannot open '{}'", path));
   char len[8];
   if (!f.read(len, 8)) throw UserError(fmt::format("'{}' is not a valid safetensors file: shorter than 8 bytes", path));
-  uint64_t hn = 0;
-  for (int i = 0; i < 8; ++i) hn |= uint64_t(uint8_t(len[i])) << (8 * i);
+  const uint64_t hn = header_length(len);
   f.seekg(0, std::ios::end);
   const uint64_t size = uint64_t(f.tellg());
   if (hn > size - 8) throw UserError(fmt::format("'{}' is not a valid safetensors file: header length {} exceeds the file size", path, hn));

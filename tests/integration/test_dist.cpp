@@ -24,11 +24,39 @@ bool identical(const std::string& a, const std::string& b, const std::string& pr
   return true;
 }
 
+// Every floating tensor under model. and optim. of checkpoint `a` is within tol x (its max |value|,
+// at least 1e-3) of the same tensor in `b`; returns how many were compared.
+int64_t check_close(const std::string& a, const std::string& b, double tol) {
+  auto x = io::load_safetensors(a), y = io::load_safetensors(b);
+  int64_t n = 0;
+  for (auto& [k, t] : x.tensors) {
+    if ((k.rfind("model.", 0) != 0 && k.rfind("optim.", 0) != 0) || !t.is_floating_point()) continue;
+    const at::Tensor* u = y.find(k);
+    REQUIRE(u != nullptr);
+    INFO(k);
+    CHECK((t.to(at::kDouble) - u->to(at::kDouble)).abs().max().item<double>() <=
+          tol * std::max(u->abs().max().item<double>(), 1e-3));
+    ++n;
+  }
+  return n;
+}
+
 // PIDs of the children of a process (under `timeout`: the launcher, then its workers), oldest
 // first, from /proc.
 const std::string kChildren =
     "children() { for s in /proc/[0-9]*/status; do awk -v p=$1 '/^PPid:/ { if ($2 == p) print FILENAME }' $s "
     "2>/dev/null; done | cut -d/ -f3 | sort -n; }; ";
+
+// Shell text: start `cmd` in the background (output in `log`, pid in $P), wait up to 120 s for
+// the shell condition `ready`, then run `then`.
+std::string start_wait_then(const std::string& cmd, const std::string& log, const std::string& ready,
+                            const std::string& then) {
+  return kChildren + cmd + " > " + log + " 2>&1 & P=$!; for i in $(seq 1200); do " + ready +
+         " && break; sleep 0.1; done; " + then;
+}
+
+// The launcher log shows the third update of epoch 0 (rank 0 logs every update here).
+std::string training_started(const std::string& log) { return "grep -q 'Train: 0 \\[   2/' " + log; }
 
 }  // namespace
 
@@ -57,20 +85,7 @@ TEST_CASE("2 processes x batch b equal 1 process x batch 2b after one step (no B
       // the result by ~1e-4 of a tensor's scale (the 1-process run with 1 vs 2 threads differs by
       // 1.1e-4); SyncBN's exactness is shown in float64 by the unit test.
       const double tol = bn.empty() ? 1e-5 : 2e-4;
-      for (std::string prefix : {"optim.", "model."}) {
-        auto x = io::load_safetensors(a), y = io::load_safetensors(b);
-        int64_t n = 0;
-        for (auto& [k, t] : x.tensors) {
-          if (k.rfind(prefix, 0) != 0 || !t.is_floating_point()) continue;
-          const at::Tensor* u = y.find(k);
-          REQUIRE(u != nullptr);
-          const double scale = std::max(u->abs().max().item<double>(), 1e-3);
-          INFO(k);
-          CHECK((t.to(at::kDouble) - u->to(at::kDouble)).abs().max().item<double>() <= tol * scale);
-          ++n;
-        }
-        CHECK(n > 10);
-      }
+      CHECK(check_close(a, b, tol) > 20);
     }
   }
 }
@@ -90,18 +105,7 @@ TEST_CASE("2 processes x b with accumulation equal 1 process x 2b over several u
   auto one = test::run(kBin + common + " -b 8 --experiment one");
   INFO(one.output);
   REQUIRE(one.code == 0);
-  auto x = io::load_safetensors(out / "two/last.safetensors"), y = io::load_safetensors(out / "one/last.safetensors");
-  int64_t n = 0;
-  for (auto& [k, t] : x.tensors) {
-    if ((k.rfind("model.", 0) != 0 && k.rfind("optim.", 0) != 0) || !t.is_floating_point()) continue;
-    const at::Tensor* u = y.find(k);
-    REQUIRE(u != nullptr);
-    INFO(k);
-    CHECK((t.to(at::kDouble) - u->to(at::kDouble)).abs().max().item<double>() <=
-          1e-5 * std::max(u->abs().max().item<double>(), 1e-3));
-    ++n;
-  }
-  CHECK(n > 100);
+  CHECK(check_close(out / "two/last.safetensors", out / "one/last.safetensors", 1e-5) > 100);
 }
 
 TEST_CASE("self-launch and torchrun --no-python give identical weights", "[dist]") {
@@ -160,9 +164,8 @@ TEST_CASE("a killed worker stops the job: the other exits non-zero and the launc
                            " --log-interval 1 --nproc-per-node 2 --dist-timeout 60 --experiment k --output " +
                            out.path.string();
   const std::string log = out / "launcher.log";
-  auto r = test::run(kChildren + "timeout 300 " + kBin + args + " > " + log + " 2>&1 & L=$!; " +
-                     "for i in $(seq 600); do grep -q 'Train: 0 \\[   2/' " + log + " && break; sleep 0.1; done; " +
-                     "kill -9 $(children $(children $L) | tail -1); wait $L; echo launcher-exit=$?");
+  auto r = test::run(start_wait_then("timeout 300 " + kBin + args, log, training_started(log),
+                                     "kill -9 $(children $(children $P) | tail -1); wait $P; echo launcher-exit=$?"));
   const std::string text = test::read_file(log);
   INFO(r.output << text);
   CHECK_THAT(r.output, Catch::Contains("launcher-exit=1"));
@@ -179,11 +182,10 @@ TEST_CASE("torchrun --max-restarts 1 with a worker killed once: --resume auto co
                            " --log-interval 5 --recovery-interval 10 --resume auto --experiment job --output " +
                            out.path.string();
   const std::string log = out / "torchrun.log";
-  auto r = test::run(kChildren + "timeout 600 " + kTorchrun + " --standalone --nproc-per-node 2 --max-restarts 1 " +
-                     "--no-python " + kBin + args + " > " + log + " 2>&1 & T=$!; " +
-                     "for i in $(seq 1200); do ls " + out.path.string() +
-                     "/job/recovery-*.safetensors >/dev/null 2>&1 && break; sleep 0.1; done; " +
-                     "kill -9 $(children $(children $T) | tail -1); wait $T; echo torchrun-exit=$?");
+  auto r = test::run(start_wait_then(
+      "timeout 600 " + kTorchrun + " --standalone --nproc-per-node 2 --max-restarts 1 --no-python " + kBin + args, log,
+      "ls " + out.path.string() + "/job/recovery-*.safetensors >/dev/null 2>&1",
+      "kill -9 $(children $(children $P) | tail -1); wait $P; echo torchrun-exit=$?"));
   const std::string text = test::read_file(log);
   INFO(r.output << text);
   CHECK_THAT(r.output, Catch::Contains("torchrun-exit=0"));
@@ -198,10 +200,9 @@ TEST_CASE("SIGTERM to the launcher: rank 0 writes a recovery checkpoint, every w
                            " --model resnet18 --img-size 28 --in-chans 1 -b 25 --lr 0.05 --epochs 3 --device cpu -j 1"
                            " --log-interval 1 --nproc-per-node 2 --experiment t --output " + out.path.string();
   const std::string log = out / "launcher.log";
-  auto r = test::run(kChildren + kBin + args + " > " + log + " 2>&1 & L=$!; " +
-                     "for i in $(seq 600); do grep -q 'Train: 0 \\[   2/' " + log + " && break; sleep 0.1; done; " +
-                     "W=$(children $L); kill -TERM $L; wait $L; echo launcher-exit=$?; sleep 0.5; " +
-                     "for w in $W; do [ -e /proc/$w ] && echo still-running=$w; done; true");
+  auto r = test::run(start_wait_then(kBin + args, log, training_started(log),
+                                     "W=$(children $P); kill -TERM $P; wait $P; echo launcher-exit=$?; sleep 0.5; "
+                                     "for w in $W; do [ -e /proc/$w ] && echo still-running=$w; done; true"));
   const std::string text = test::read_file(log);
   INFO(r.output << text);
   CHECK_THAT(r.output, Catch::Contains("launcher-exit=143") && !Catch::Contains("still-running"));
