@@ -36,13 +36,8 @@ const ModelEntry* find_model(const std::string& name) { return registry().find(s
 
 std::vector<std::string> list_models(const std::string& pattern) { return registry().names(pattern); }
 
-const ModelDefaults& model_defaults(const std::string& name) {
-  auto* e = find_model(name);
-  if (!e) create_model(name, {});  // throws the friendly error
-  return e->defaults;
-}
-
-Model create_model(const std::string& full_name, const ModelArgs& args) {
+namespace {
+const ModelEntry& entry(const std::string& full_name) {
   const std::string name = split_model_name(full_name).first;
   auto* e = registry().find(name);
   if (!e) {
@@ -51,8 +46,26 @@ Model create_model(const std::string& full_name, const ModelArgs& args) {
     for (auto& c : close) list += (list.empty() ? "" : ", ") + c;
     throw UserError(fmt::format("--model '{}': unknown model (closest: {}; `imgtrain models` lists all)", name, list));
   }
-  return e->create(args);
+  return *e;
 }
+}  // namespace
+
+Model create_model(const std::string& full_name, const ModelArgs& args) {
+  const auto& e = entry(full_name);
+  if (!e.create)
+    throw UserError(fmt::format("--model '{}': a {} model, not a classifier", full_name, e.task));
+  return e.create(args);
+}
+
+std::shared_ptr<torch::nn::Module> create_module(const std::string& full_name, const ModelArgs& args) {
+  const auto& e = entry(full_name);
+  if (e.create) return e.create(args);
+  return e.create_module(args);
+}
+
+const std::string& model_task(const std::string& name) { return entry(name).task; }
+
+const ModelDefaults& model_defaults(const std::string& name) { return entry(name).defaults; }
 
 int64_t count_params(const torch::nn::Module& m) {
   int64_t n = 0;

@@ -1,5 +1,6 @@
-// The model registry: timm's model names mapped to factories and default data configs.
-// `imgtrain models` and the trainer read it; nothing else lists models.
+// The model registry: timm's model names (torchvision's for detectors) mapped to factories,
+// default data configs and the task each model is trained by. `imgtrain models` and the task
+// setup read it; nothing else lists models.
 #pragma once
 #include "core/model.h"
 #include "core/registry.h"
@@ -14,8 +15,11 @@ namespace imgtrain::model_zoo {
 using Model = std::shared_ptr<ClassifierImpl>;
 
 struct ModelEntry {
-  std::function<Model(const ModelArgs&)> create;
+  std::function<Model(const ModelArgs&)> create;  // classifiers; empty for other tasks' models
   ModelDefaults defaults;
+  std::string task = "classification";
+  // Models of other tasks (detectors) are plain modules that their task knows how to drive.
+  std::function<std::shared_ptr<torch::nn::Module>(const ModelArgs&)> create_module = nullptr;
 };
 
 const ModelEntry* find_model(const std::string& name);
@@ -25,6 +29,10 @@ std::vector<std::string> list_models(const std::string& pattern = "*");
 // Throws UserError naming the closest registered names when `name` is unknown. A ".tag" suffix
 // is accepted and ignored here (it only selects pretrained weights).
 Model create_model(const std::string& name, const ModelArgs& args);
+// Any registered model as a module (classifier or not), with the same errors for unknown names.
+std::shared_ptr<torch::nn::Module> create_module(const std::string& name, const ModelArgs& args);
+// The task that trains `name` ("classification", "detection"); UserError for unknown names.
+const std::string& model_task(const std::string& name);
 const ModelDefaults& model_defaults(const std::string& name);
 int64_t count_params(const torch::nn::Module& m);
 

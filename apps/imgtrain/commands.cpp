@@ -4,7 +4,8 @@
 #include "core/error.h"
 #include "data/shards.h"
 #include "dist/launcher.h"
-#include "engine/trainer.h"
+#include "engine/checkpoint.h"
+#include "engine/commands.h"
 #include "io/weights.h"
 #include "model_zoo/registry.h"
 
@@ -47,6 +48,9 @@ std::optional<cxxopts::ParseResult> parse_command(cxxopts::Options& opts, const 
     std::puts(opts.help().c_str());
     return std::nullopt;
   }
+  if (!r.unmatched().empty())
+    throw UserError(fmt::format("{}: unexpected argument '{}' (flags start with --)", name,
+                                r.unmatched()[0]));
   return r;
 }
 }  // namespace
@@ -87,7 +91,7 @@ int models(const std::vector<std::string>& args) {
   auto names = model_zoo::list_models(pattern);
   if (names.empty()) throw UserError("models: no model matches '" + pattern + "'");
   for (auto& n : names) {
-    auto m = model_zoo::create_model(n, {});
+    auto m = model_zoo::create_module(n, {});
     const auto& d = model_zoo::model_defaults(n);
     if (verbose) {
       std::string tags;
@@ -114,22 +118,22 @@ int export_weights(const std::vector<std::string>& args) {
   const auto ckpt = r["checkpoint"].as<std::string>(), out = r["out"].as<std::string>();
   if (out.size() < 12 || out.substr(out.size() - 12) != ".safetensors")
     throw UserError(fmt::format("--out '{}': expected a file name ending in .safetensors (timm picks the loader by it)", out));
-  auto st = io::load_safetensors(ckpt);
+  const auto ck = engine::Checkpoint::read(ckpt);
   const bool ema = r.count("use-ema") > 0;
-  const std::string prefix = io::weights_prefix(st, ema);
+  const std::string prefix = ck.weights_prefix(ema);
   if (ema && prefix != "ema.") throw UserError(fmt::format("--use-ema: '{}' has no EMA weights", ckpt));
   // Check the weights against the architecture they claim before writing them out.
-  if (auto arch = st.metadata.find("arch"); arch != st.metadata.end()) {
+  if (const auto& m = ck.meta(); !m.arch.empty()) {
     ModelArgs margs;
-    if (auto n = st.metadata.find("num_classes"); n != st.metadata.end()) margs.num_classes = std::stoll(n->second);
-    if (auto c = st.metadata.find("in_chans"); c != st.metadata.end()) margs.in_chans = std::stoll(c->second);
-    if (auto i = st.metadata.find("img_size"); i != st.metadata.end()) margs.img_size = std::stoll(i->second);
-    if (auto g = st.metadata.find("global_pool"); g != st.metadata.end()) margs.global_pool = g->second;
-    auto model = model_zoo::create_model(arch->second, margs);
-    io::load_state_dict(*model, st, prefix, ckpt);
+    if (m.num_classes) margs.num_classes = *m.num_classes;
+    if (m.in_chans) margs.in_chans = *m.in_chans;
+    if (m.img_size) margs.img_size = *m.img_size;
+    if (m.global_pool) margs.global_pool = *m.global_pool;
+    auto model = model_zoo::create_module(m.arch, margs);
+    ck.load_prefixed(*model, prefix);
   }
   std::vector<std::pair<std::string, at::Tensor>> tensors;
-  for (auto& [k, v] : st.tensors)
+  for (auto& [k, v] : ck.tensors().tensors)
     if (prefix.empty() || k.rfind(prefix, 0) == 0) tensors.emplace_back(k.substr(prefix.size()), v);
   io::save_safetensors(out, tensors, {{"format", "pt"}});
   std::printf("Wrote %zu tensors (%s weights) to %s\n", tensors.size(), ema ? "EMA" : "model", out.c_str());

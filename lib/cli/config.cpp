@@ -8,6 +8,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include <cmath>
+#include <cstring>
 #include <iostream>
 #include <set>
 #include <variant>
@@ -68,7 +69,8 @@ const std::vector<Flag>& flags() {
       {"device", "", &Config::device, "Device: auto (cuda when available), cpu, cuda, cuda:N", ALL},
       {"amp", "", &Config::amp, "Mixed precision: autocast to --amp-dtype (with a loss scaler for float16)", ALL},
       {"amp-dtype", "", &Config::amp_dtype, "Autocast dtype", ALL, {"float16", "bfloat16"}},
-      {"amp-opt-level", "", &Config::amp_opt_level, "apex-style level: O0 = fp32, O1 = autocast (as --amp)", TRAIN,
+      {"amp-opt-level", "", &Config::amp_opt_level, "apex-style level: O0 = fp32, O1 = autocast (as --amp), O2 = half weights with float32 master weights "
+       "(BatchNorm kept in float32)", TRAIN,
        {"", "O0", "O1", "O2"}},
       {"loss-scale", "", &Config::loss_scale, "Static loss scale for float16 (default: dynamic scaling)", TRAIN, {},
        positive},
@@ -174,7 +176,9 @@ const std::vector<Flag>& flags() {
       {"experiment", "", &Config::experiment, "Name of the run's folder under --output", TRAIN},
       {"recovery-interval", "", &Config::recovery_interval,
        "Write a recovery checkpoint every N updates (resumable mid-epoch; 0: off)", TRAIN, {}, non_negative},
-      {"eval-metric", "", &Config::eval_metric, "Best metric", TRAIN, {"top1", "top5", "loss"}},
+      {"eval-metric", "", &Config::eval_metric,
+       "Metric that picks the best checkpoint: one the task's evaluator reports (classification: top1, top5, loss)",
+       TRAIN},
       // validate / benchmark
       {"results-file", "", &Config::results_file, "Also write the result row to this file", VALIDATE | BENCH},
       {"results-format", "", &Config::results_format, "Format of --results-file", VALIDATE | BENCH,
@@ -364,6 +368,10 @@ unsigned command_bit(Command cmd) {
   return cmd == Command::Train ? TRAIN : cmd == Command::Validate ? VALIDATE : BENCH;
 }
 
+bool same_field(const Config& a, const Config& b, const Flag& f) {
+  return std::visit([&](auto member) { return a.*member == b.*member; }, f.field);
+}
+
 void apply_yaml(Config& c, Command cmd, const std::string& path) {
   YAML::Node root;
   try {
@@ -413,7 +421,29 @@ void apply_yaml(Config& c, Command cmd, const std::string& path) {
     } else {
       throw UserError(fmt::format("{}: expected a value or a list", where));
     }
+    // A file (an args.yaml written by imgtrain names every flag) sets a flag only where it
+    // departs from the default.
+    if (!same_field(c, Config{}, *flag)) c.given.insert(flag->name);
   }
+}
+
+// Flags that have no effect in the combination given are errors, not silently ignored.
+void check_effective(Command cmd, const Config& c) {
+  auto refuse = [&](const std::vector<const char*>& flags, const std::string& why) {
+    for (auto* f : flags)
+      if (c.was_given(f)) throw UserError(fmt::format("--{} has no effect {}", f, why));
+  };
+  if (cmd == Command::Benchmark && c.bench == "data")
+    refuse({"model", "device", "amp", "amp-dtype", "channels-last", "num-classes", "gp", "opt", "nproc-per-node"},
+           "with --bench data (it measures the input pipeline alone, on the CPU)");
+  if (cmd == Command::Benchmark && c.bench != "data")
+    refuse({"data-dir", "dataset", "train-split", "workers", "scale", "ratio", "hflip", "train-interpolation"},
+           fmt::format("with --bench {} (synthetic inputs; the data flags belong to --bench data)", c.bench));
+  if (c.nproc_per_node == 0)
+    refuse({"nnodes", "node-rank", "master-addr", "master-port"},
+           "without --nproc-per-node N (under torchrun or SLURM the launcher sets them)");
+  if (cmd == Command::Validate && !c.checkpoint.empty())
+    refuse({"pretrained", "pretrained-path"}, "with --checkpoint (the checkpoint's weights are validated)");
 }
 
 }  // namespace
@@ -435,6 +465,8 @@ std::optional<Config> parse(Command cmd, const std::vector<std::string>& in_args
     auto v = cxxopts::value<std::string>();
     if (std::holds_alternative<bool Config::*>(f.field)) v->implicit_value("true");
     std::string help = f.help;
+    if (std::strlen(f.alias) > 1)  // long and two-letter aliases are rewritten before cxxopts sees them
+      help += fmt::format(" (alias: {}{})", f.alias[0] == '-' ? "" : "--", f.alias);
     if (!f.choices.empty()) {
       std::string list;
       for (auto& ch : f.choices) list += (list.empty() ? "" : "|") + (ch.empty() ? "''" : ch);
@@ -512,7 +544,9 @@ std::optional<Config> parse(Command cmd, const std::vector<std::string>& in_args
     if (!(f.cmds & bit) || !r.count(f.name)) continue;
     std::string where = std::string("--") + f.name;
     assign(c, f, r[f.name].as<std::string>(), where);
+    c.given.insert(f.name);
   }
+  check_effective(cmd, c);
   if (c.device != "auto" && c.device != "cpu" && c.device != "cuda" && c.device.rfind("cuda:", 0) != 0)
     throw UserError(fmt::format("--device '{}': expected auto, cpu, cuda or cuda:N", c.device));
   if (c.device.rfind("cuda:", 0) == 0) {

@@ -4,6 +4,7 @@
 #pragma once
 #include <cstdint>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -134,6 +135,11 @@ struct Config {
   double aug_repeats = 0.0;
   bool no_ddp_bb = false;
   int64_t local_rank = 0;  // accepted for timm compatibility; the environment's LOCAL_RANK rules
+
+  // The flags (long names) the command line or the -c file set, for checks that a flag given
+  // where it has no effect is an error rather than silently ignored.
+  std::set<std::string> given;
+  bool was_given(const std::string& flag) const { return given.count(flag) > 0; }
 };
 
 enum class Command { Train, Validate, Benchmark };

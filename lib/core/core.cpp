@@ -1,7 +1,11 @@
 #include "core/log.h"
 #include "core/registry.h"
+#include "core/rng.h"
 
+#include <cmath>
 #include <cstdio>
+#include <numbers>
+#include <stdexcept>
 #include <mutex>
 
 namespace imgtrain {
@@ -77,4 +81,54 @@ void write_warning(const std::string& line) {
 }
 
 }  // namespace log
+
+// Marsaglia & Tsang's gamma sampler (boosted below shape 1).
+namespace {
+double gamma_ge1(double shape, std::mt19937_64& rng) {
+  const double d = shape - 1.0 / 3.0, c = 1.0 / std::sqrt(9.0 * d);
+  for (;;) {
+    double x = sample_gauss(0, 1, rng);
+    double v = 1.0 + c * x;
+    if (v <= 0) continue;
+    v = v * v * v;
+    double u = uniform01(rng);
+    if (u < 1.0 - 0.0331 * x * x * x * x) return d * v;
+    if (std::log(u) < 0.5 * x * x + d * (1.0 - v + std::log(v))) return d * v;
+  }
+}
+
+
+}  // namespace
+
+double uniform01(std::mt19937_64& rng) { return double(rng() >> 11) * 0x1.0p-53; }
+
+double sample_gauss(double mean, double std, std::mt19937_64& rng) {
+  // Box-Muller without a cached second value, so each draw depends on the generator state only.
+  const double u1 = 1.0 - uniform01(rng), u2 = uniform01(rng);
+  return mean + std * std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * std::numbers::pi * u2);
+}
+
+double sample_gamma(double shape, std::mt19937_64& rng) {
+  if (!(shape > 0)) throw std::invalid_argument("sample_gamma: shape must be > 0");
+  if (shape >= 1) return gamma_ge1(shape, rng);
+  double g = gamma_ge1(shape + 1.0, rng);
+  return g * std::pow(1.0 - uniform01(rng), 1.0 / shape);
+}
+
+double sample_beta(double a, double b, std::mt19937_64& rng) {
+  double x = sample_gamma(a, rng), y = sample_gamma(b, rng);
+  if (x + y == 0) return uniform01(rng) < a / (a + b) ? 1.0 : 0.0;  // both underflowed: tiny a, b
+  return x / (x + y);
+}
+
+std::vector<float> sample_dirichlet(double alpha, int n, std::mt19937_64& rng) {
+  std::vector<double> g(size_t(std::max(n, 0)));
+  double sum = 0;
+  for (auto& v : g) sum += (v = sample_gamma(alpha, rng));
+  std::vector<float> out;
+  for (double v : g) out.push_back(sum > 0 ? float(v / sum) : float(1.0 / n));
+  return out;
+}
+
+
 }  // namespace imgtrain

@@ -3,6 +3,7 @@
 #pragma once
 #include <cstdint>
 #include <random>
+#include <vector>
 
 namespace imgtrain {
 
@@ -26,5 +27,13 @@ inline double uniform(std::mt19937_64& g, double a, double b) {
 inline int64_t randint(std::mt19937_64& g, int64_t a, int64_t b) {
   return a + int64_t(g() % uint64_t(b - a + 1));
 }
+
+// The continuous draws timm makes (numpy's / random's distributions), as our own algorithms:
+// the standard library's distributions differ between implementations, these do not.
+double uniform01(std::mt19937_64& rng);  // [0, 1), 53 bits
+double sample_gauss(double mean, double std, std::mt19937_64& rng);  // Box-Muller, no cached value
+double sample_gamma(double shape, std::mt19937_64& rng);             // scale 1
+double sample_beta(double a, double b, std::mt19937_64& rng);
+std::vector<float> sample_dirichlet(double alpha, int n, std::mt19937_64& rng);  // as float32, as timm
 
 }  // namespace imgtrain

@@ -8,6 +8,8 @@
 // in_chans 1). Results may share pixels with the input when an op leaves the image unchanged:
 // treat inputs and outputs as read-only values.
 #pragma once
+#include "core/rng.h"
+
 #include <opencv2/core.hpp>
 
 #include <array>
@@ -157,13 +159,5 @@ struct RandomErasingConfig {
 };
 // Returns the erased rectangles (empty when the probability coin said no).
 std::vector<cv::Rect> random_erasing(cv::Mat& img, const RandomErasingConfig& cfg, std::mt19937_64& rng);
-
-// The draws timm makes, from `rng` (own algorithms: the standard library's distributions differ
-// between implementations, these do not).
-double uniform01(std::mt19937_64& rng);  // [0, 1), 53 bits
-double sample_gauss(double mean, double std, std::mt19937_64& rng);
-double sample_gamma(double shape, std::mt19937_64& rng);  // scale 1
-double sample_beta(double a, double b, std::mt19937_64& rng);
-std::vector<float> sample_dirichlet(double alpha, int n, std::mt19937_64& rng);  // as float32, as timm
 
 }  // namespace imgtrain::data

@@ -259,29 +259,66 @@ cv::Mat decode_gif(const std::string& bytes, const std::string& what) {
 }
 }  // namespace
 
+namespace {
+// The container a file's first bytes name, for messages in words ("" when none we know).
+const char* image_format(const std::string& b) {
+  auto starts = [&](const char* magic, size_t n, size_t at = 0) { return b.size() >= at + n && !b.compare(at, n, magic, n); };
+  if (starts("\x89PNG\r\n\x1a\n", 8)) return "PNG";
+  if (starts("BM", 2)) return "BMP";
+  if (starts("RIFF", 4) && starts("WEBP", 4, 8)) return "WebP";
+  if (starts("II*\0", 4) || starts("MM\0*", 4)) return "TIFF";
+  if (starts("P5", 2) || starts("P6", 2)) return "PNM";
+  return "";
+}
+
+// A PNG without its iCCP chunks: the colour profile is not applied (as PIL's convert('RGB')), and
+// libpng would print warnings about some common profiles straight to stderr.
+std::string png_without_iccp(const std::string& b) {
+  std::string out = b.substr(0, 8);
+  size_t p = 8;
+  while (p + 12 <= b.size()) {
+    const auto* u = reinterpret_cast<const unsigned char*>(b.data() + p);
+    const size_t len = (size_t(u[0]) << 24) | (size_t(u[1]) << 16) | (size_t(u[2]) << 8) | size_t(u[3]);
+    if (len > b.size() - p - 12) break;  // truncated: leave the rest to the decoder
+    if (b.compare(p + 4, 4, "iCCP") != 0) out.append(b, p, len + 12);
+    p += len + 12;
+  }
+  out.append(b, p, std::string::npos);
+  return out;
+}
+}  // namespace
+
 cv::Mat decode_image(const std::string& bytes, const std::string& what) {
+  if (bytes.empty()) throw DecodeError(fmt::format("cannot decode '{}': empty file", what));
   if (is_gif(bytes)) return decode_gif(bytes, what);
   if (is_jpeg(bytes)) return decode_jpeg(bytes, 1, what);
+  const std::string format = image_format(bytes);
 #ifdef IMGTRAIN_WITH_IMGCODECS
+  const std::string data = format == "PNG" ? png_without_iccp(bytes) : std::string();
+  const std::string& src = format == "PNG" ? data : bytes;
   cv::Mat raw;
   try {
-    raw = cv::imdecode(cv::Mat(1, int(bytes.size()), CV_8UC1, const_cast<char*>(bytes.data())), cv::IMREAD_UNCHANGED);
-  } catch (const cv::Exception& e) {
-    throw DecodeError(fmt::format("cannot decode image '{}': {}", what, e.what()));
+    raw = cv::imdecode(cv::Mat(1, int(src.size()), CV_8UC1, const_cast<char*>(src.data())), cv::IMREAD_UNCHANGED);
+  } catch (const cv::Exception&) {
+    raw.release();
   }
-  if (raw.empty()) throw DecodeError(fmt::format("cannot decode image '{}'", what));
+  if (raw.empty() && format.empty())
+    throw DecodeError(fmt::format("cannot decode '{}': not an image (no known image header)", what));
+  if (raw.empty()) throw DecodeError(fmt::format("cannot decode '{}': truncated or corrupt {}", what, format));
   if (raw.depth() == CV_16U) raw.convertTo(raw, CV_8U, 1.0 / 257.0);
-  if (raw.depth() != CV_8U) throw DecodeError(fmt::format("unsupported pixel depth in '{}'", what));
+  if (raw.depth() != CV_8U) throw DecodeError(fmt::format("cannot decode '{}': unsupported pixel depth", what));
   cv::Mat out;
   switch (raw.channels()) {
     case 1: out = raw; break;
     case 3: cv::cvtColor(raw, out, cv::COLOR_BGR2RGB); break;
     case 4: cv::cvtColor(raw, out, cv::COLOR_BGRA2RGB); break;  // alpha dropped, as PIL's convert('RGB')
-    default: throw DecodeError(fmt::format("unsupported channel count {} in '{}'", raw.channels(), what));
+    default:
+      throw DecodeError(fmt::format("cannot decode '{}': unsupported channel count {}", what, raw.channels()));
   }
   return out;
 #else
-  throw DecodeError(fmt::format("cannot decode '{}': only JPEG is supported in a build without imgcodecs", what));
+  if (format.empty()) throw DecodeError(fmt::format("cannot decode '{}': not an image (no known image header)", what));
+  throw DecodeError(fmt::format("cannot decode {} '{}': only JPEG and GIF in a build without imgcodecs", format, what));
 #endif
 }
 

@@ -4,6 +4,7 @@
 // for any thread count. Unreadable images are skipped, warned once by name and counted.
 #pragma once
 #include "data/dataset.h"
+#include "data/target.h"
 #include "data/transforms.h"
 
 #include <ATen/core/Tensor.h>
@@ -18,10 +19,15 @@
 
 namespace imgtrain::data {
 
+// One batch. Classification stacks fixed-size images and carries class indices; tasks with
+// variable-size images and structured targets (detection) carry a pad-collated batch with each
+// image's size and one target per image (data/target.h).
 struct Batch {
   at::Tensor images;  // uint8 [B, H, W, C]
-  at::Tensor labels;  // int64 [B]
+  at::Tensor labels;  // int64 [B]: class indices (classification)
   at::Tensor indices;  // int64 [B]: dataset index of each sample (per-sample randomness after the loader)
+  at::Tensor sizes;    // int64 [B, 2]: (height, width) before padding; undefined for stacked batches
+  std::vector<BoxTarget> targets;  // per image (detection); empty for classification
   int64_t skipped = 0;
 };
 

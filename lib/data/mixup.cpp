@@ -9,12 +9,6 @@
 namespace imgtrain::data {
 namespace {
 
-double sample_beta(double a, double b, std::mt19937_64& rng) {
-  std::gamma_distribution<double> ga(a, 1.0), gb(b, 1.0);
-  double x = ga(rng), y = gb(rng);
-  return x + y > 0 ? x / (x + y) : 0.5;
-}
-
 struct Params {
   double lam = 1.0;
   bool cutmix = false;

@@ -1,8 +1,10 @@
 // c10d glue: store, process group, DDP's reducer, SyncBatchNorm, trainer collectives.
 // The torch wheel compiles c10d with Gloo (and NCCL in CUDA builds); its headers show those
-// classes only when told.
+// classes only when told (torch's CMake config already tells Gloo to its users).
+#ifndef USE_C10D_GLOO
 #define USE_C10D_GLOO
-#ifdef IMGTRAIN_WITH_CUDA
+#endif
+#if defined(IMGTRAIN_WITH_CUDA) && !defined(USE_C10D_NCCL)
 #define USE_C10D_NCCL
 #endif
 #include "dist/dist.h"

@@ -2,7 +2,10 @@
 #include "core/log.h"
 #include "data/loader.h"
 #include "dist/dist.h"
-#include "engine/trainer.h"
+#include "cli/adapters.h"
+#include "engine/amp.h"
+#include "engine/commands.h"
+#include "engine/setup.h"
 #include "model_zoo/registry.h"
 
 #include <nlohmann/json.hpp>
@@ -26,8 +29,8 @@ double now_s(torch::Device dev) {
 // batches) with -j threads over the --data-dir training split, no model.
 int benchmark_data(const cli::Config& cfg) {
   auto ds = data::create_dataset(cfg.dataset, cfg.data_dir, cfg.train_split);
-  const auto tc = train_geometry(cfg, int(cfg.img_size.value_or(224)), int(cfg.in_chans.value_or(3)));
-  const auto lo = train_loader_options(cfg);
+  const auto tc = cli::train_geometry(cfg, int(cfg.img_size.value_or(224)), int(cfg.in_chans.value_or(3)));
+  const auto lo = cli::loader_options(cfg);
   data::Loader loader(ds, tc, lo);
   if (loader.num_batches() == 0)
     throw UserError(fmt::format("--batch-size {}: the split has only {} images", cfg.batch_size, ds->size()));
@@ -76,8 +79,8 @@ int benchmark(const cli::Config& cfg) {
   auto device = resolve_device(cfg.device);
   // Under a launcher the train benchmark is data parallel: each process steps its own batch and
   // the gradients are all-reduced as in training (the reported step time is rank 0's).
-  auto ctx = join_process_group(cfg, device);
-  const Amp amp = resolve_amp(cfg);
+  auto ctx = join_process_group(cfg.dist_backend, cfg.dist_timeout, device);
+  const Amp amp = resolve_amp(cfg.amp, cfg.amp_dtype, cfg.amp_opt_level);
   const auto& d = model_zoo::model_defaults(cfg.model);
   // timm: the test input size unless --img-size or --use-train-size.
   const int64_t img = cfg.img_size.value_or(!cfg.use_train_size && d.test_input_size ? d.test_input_size

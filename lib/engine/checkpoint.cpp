@@ -2,6 +2,7 @@
 
 #include "core/error.h"
 #include "core/log.h"
+#include "io/weights.h"
 
 #include <torch/torch.h>
 
@@ -22,6 +23,154 @@ void replace_with_link(const std::string& from, const std::string& to) {
   fs::rename(tmp, to);
 }
 }  // namespace
+
+std::map<std::string, std::string> CheckpointMeta::to_metadata() const {
+  std::map<std::string, std::string> md{{"arch", arch}, {"task", task}, {"version", std::to_string(version)}};
+  auto put_int = [&](const char* k, const std::optional<int64_t>& v) {
+    if (v) md[k] = std::to_string(*v);
+  };
+  auto put_double = [&](const char* k, const std::optional<double>& v) {
+    if (v) md[k] = fmt::format("{}", *v);
+  };
+  put_int("num_classes", num_classes);
+  put_int("in_chans", in_chans);
+  put_int("img_size", img_size);
+  if (global_pool) md["global_pool"] = *global_pool;
+  put_double("crop_pct", crop_pct);
+  put_int("epoch", epoch);
+  put_int("num_updates", num_updates);
+  put_int("recovery_update", recovery_update);
+  put_double("metric", metric);
+  put_double("best_metric", best_metric);
+  put_int("best_epoch", best_epoch);
+  if (!plateau.empty()) md["plateau"] = plateau;
+  if (!args.empty()) md["args"] = args;
+  return md;
+}
+
+CheckpointMeta CheckpointMeta::from_metadata(const std::map<std::string, std::string>& md, const std::string& what) {
+  CheckpointMeta m;
+  auto get = [&](const char* k) -> const std::string* {
+    auto it = md.find(k);
+    return it == md.end() ? nullptr : &it->second;
+  };
+  auto bad = [&](const char* k, const std::string& v, const char* expected) {
+    return UserError(fmt::format("'{}': metadata '{}' is '{}', expected {}", what, k, v, expected));
+  };
+  auto get_int = [&](const char* k) -> std::optional<int64_t> {
+    auto* s = get(k);
+    if (!s) return std::nullopt;
+    try {
+      size_t used = 0;
+      int64_t v = std::stoll(*s, &used);
+      if (used == s->size()) return v;
+    } catch (const std::exception&) {
+    }
+    throw bad(k, *s, "an integer");
+  };
+  auto get_double = [&](const char* k) -> std::optional<double> {
+    auto* s = get(k);
+    if (!s) return std::nullopt;
+    try {
+      size_t used = 0;
+      double v = std::stod(*s, &used);
+      if (used == s->size()) return v;
+    } catch (const std::exception&) {
+    }
+    throw bad(k, *s, "a number");
+  };
+  if (auto* s = get("arch")) m.arch = *s;
+  if (auto* s = get("task")) m.task = *s;
+  m.num_classes = get_int("num_classes");
+  m.in_chans = get_int("in_chans");
+  m.img_size = get_int("img_size");
+  if (auto* s = get("global_pool")) m.global_pool = *s;
+  m.crop_pct = get_double("crop_pct");
+  m.epoch = get_int("epoch");
+  m.num_updates = get_int("num_updates");
+  m.recovery_update = get_int("recovery_update");
+  m.metric = get_double("metric");
+  m.best_metric = get_double("best_metric");
+  m.best_epoch = get_int("best_epoch");
+  if (auto* s = get("plateau")) m.plateau = *s;
+  if (auto* s = get("args")) m.args = *s;
+  if (auto v = get_int("version")) m.version = *v;
+  return m;
+}
+
+void write_checkpoint(const std::string& path, const CheckpointMeta& meta, const TrainStateRefs& s) {
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  if (s.model)
+    for (auto& [k, v] : io::state_dict(*s.model)) tensors.emplace_back("model." + k, v);
+  if (s.ema)
+    for (auto& [k, v] : io::state_dict(*s.ema)) tensors.emplace_back("ema." + k, v);
+  for (auto& [k, v] : s.optim) tensors.emplace_back("optim." + k, v);
+  for (auto& [k, v] : s.master) tensors.emplace_back("master." + k, v);
+  for (auto& [k, v] : s.scaler) tensors.emplace_back("scaler." + k, v);
+  if (s.rng_cpu.defined()) tensors.emplace_back("rng.cpu", s.rng_cpu);
+  io::save_safetensors(path, tensors, meta.to_metadata());
+}
+
+Checkpoint Checkpoint::read(const std::string& path) {
+  Checkpoint c;
+  c.path_ = path;
+  c.st_ = io::load_safetensors(path);
+  c.meta_ = CheckpointMeta::from_metadata(c.st_.metadata, path);
+  return c;
+}
+
+CheckpointMeta Checkpoint::read_meta(const std::string& path) {
+  return CheckpointMeta::from_metadata(io::load_safetensors_metadata(path), path);
+}
+
+std::string Checkpoint::weights_prefix(bool prefer_ema) const { return io::weights_prefix(st_, prefer_ema); }
+
+void Checkpoint::load_weights(torch::nn::Module& m, bool prefer_ema) const {
+  load_prefixed(m, weights_prefix(prefer_ema));
+}
+
+void Checkpoint::load_prefixed(torch::nn::Module& m, const std::string& prefix) const {
+  io::load_state_dict(m, st_, prefix, path_);
+}
+
+std::map<std::string, at::Tensor> Checkpoint::section(const std::string& prefix) const {
+  std::map<std::string, at::Tensor> out;
+  for (auto& [k, v] : st_.tensors)
+    if (k.rfind(prefix, 0) == 0) out[k.substr(prefix.size())] = v;
+  return out;
+}
+
+void Checkpoint::require_training(const std::string& flag, const std::string& arch) const {
+  auto missing = [&](const char* k) {
+    return UserError(fmt::format("{} '{}': not an imgtrain training checkpoint (no '{}')", flag, path_, k));
+  };
+  if (meta_.arch.empty()) throw missing("arch");
+  if (meta_.arch != arch)
+    throw UserError(fmt::format("{} '{}': checkpoint is a {}, but --model is {}", flag, path_, meta_.arch, arch));
+  if (!meta_.epoch) throw missing("epoch");
+  if (!meta_.num_updates) throw missing("num_updates");
+}
+
+std::string find_latest_checkpoint(const std::string& dir) {
+  std::error_code ec;
+  std::string best;
+  std::pair<int64_t, int> best_key{-1, 0};
+  for (auto& e : fs::directory_iterator(dir, ec)) {
+    const auto name = e.path().filename().string();
+    if (e.path().extension() != ".safetensors" || name.find(".tmp") != std::string::npos) continue;
+    CheckpointMeta m;
+    try {
+      m = Checkpoint::read_meta(e.path().string());
+    } catch (const UserError&) {
+      log::warn("--resume auto: ignoring unreadable file '{}'", e.path().string());
+      continue;
+    }
+    if (!m.num_updates || !m.epoch) continue;
+    const std::pair<int64_t, int> key{*m.num_updates, m.recovery_update ? 0 : 1};
+    if (key > best_key) best_key = key, best = e.path().string();
+  }
+  return best;
+}
 
 bool CheckpointSaver::save(int64_t epoch, double metric, const std::function<void(const std::string&)>& write) {
   const std::string last = path("last.safetensors");

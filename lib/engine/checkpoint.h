@@ -1,8 +1,14 @@
-// Checkpoints as safetensors: the model's state dict under "model.", optimizer state under
-// "optim.", scalars (epoch, arch, args, metric, ...) in the header's metadata. timm's
-// CheckpointSaver policy: last every epoch, checkpoint-<epoch> for the best N, model_best.
+// The one owner of imgtrain's checkpoint format. A checkpoint is a safetensors file: the model's
+// state dict under "model.", the EMA's under "ema.", optimizer state under "optim.", O2 master
+// weights under "master.", the loss scaler under "scaler.", the CPU generator as "rng.cpu", and
+// everything else (CheckpointMeta) as strings in the header's __metadata__. Train's resume,
+// --resume auto, validate --checkpoint and export all read through Checkpoint; train writes
+// through write_checkpoint. CheckpointSaver is timm's policy: last every epoch, checkpoint-<epoch>
+// for the best N, model_best.
 #pragma once
 #include "io/safetensors.h"
+
+#include <torch/nn/module.h>
 
 #include <functional>
 #include <map>
@@ -11,6 +17,74 @@
 #include <vector>
 
 namespace imgtrain::engine {
+
+// What a checkpoint's header says. The model part (arch .. crop_pct) is what rebuilding the
+// model needs; the rest is the training position. Fields absent from a file stay unset.
+struct CheckpointMeta {
+  // the model
+  std::string arch;
+  std::string task = "classification";
+  std::optional<int64_t> num_classes, in_chans, img_size;
+  std::optional<std::string> global_pool;
+  std::optional<double> crop_pct;
+  // the training position
+  std::optional<int64_t> epoch, num_updates;
+  std::optional<int64_t> recovery_update;  // a mid-epoch checkpoint: the last update done
+  std::optional<double> metric, best_metric;
+  std::optional<int64_t> best_epoch;
+  std::string plateau;  // the plateau scheduler's "lr best num_bad"
+  std::string args;     // args.yaml of the run
+  int64_t version = 2;
+
+  std::map<std::string, std::string> to_metadata() const;
+  // Throws UserError naming `what` when a field has a malformed value.
+  static CheckpointMeta from_metadata(const std::map<std::string, std::string>& md, const std::string& what);
+  // A training checkpoint (one `--resume` can continue from): arch, epoch and num_updates set.
+  bool is_training() const { return !arch.empty() && epoch && num_updates; }
+};
+
+// The tensors of a training checkpoint, borrowed for writing.
+struct TrainStateRefs {
+  const torch::nn::Module* model = nullptr;
+  const torch::nn::Module* ema = nullptr;
+  std::vector<std::pair<std::string, at::Tensor>> optim, master, scaler;
+  at::Tensor rng_cpu;
+};
+
+// Atomic (temporary file + rename): a crash never leaves a broken file.
+void write_checkpoint(const std::string& path, const CheckpointMeta& meta, const TrainStateRefs& state);
+
+// A checkpoint or plain weights file, read whole.
+class Checkpoint {
+ public:
+  static Checkpoint read(const std::string& path);
+  // Only the header (checkpoint discovery); the tensors stay unread.
+  static CheckpointMeta read_meta(const std::string& path);
+  const std::string& path() const { return path_; }
+  const CheckpointMeta& meta() const { return meta_; }
+  const io::SafeTensors& tensors() const { return st_; }
+  // "ema." when present and preferred, else "model.", else "" (a plain state dict).
+  std::string weights_prefix(bool prefer_ema) const;
+  bool has_ema() const { return weights_prefix(true) == "ema."; }
+  // Loads the weights (strict names and shapes) into `m`; UserError names the file otherwise.
+  void load_weights(torch::nn::Module& m, bool prefer_ema) const;
+  // The tensors under `prefix` exactly ("model.", "ema.", "" for a plain state dict).
+  void load_prefixed(torch::nn::Module& m, const std::string& prefix) const;
+  // The tensors under `prefix` ("optim.", "scaler."), with the prefix removed.
+  std::map<std::string, at::Tensor> section(const std::string& prefix) const;
+  const at::Tensor* find(const std::string& name) const { return st_.find(name); }
+  // For --resume: UserError unless this is a training checkpoint of `arch`.
+  void require_training(const std::string& flag, const std::string& arch) const;
+
+ private:
+  std::string path_;
+  CheckpointMeta meta_;
+  io::SafeTensors st_;
+};
+
+// --resume auto: the newest training checkpoint in `dir` (the most updates; at a tie the
+// end-of-epoch file), or "" when there is none yet. Unreadable files are skipped with a warning.
+std::string find_latest_checkpoint(const std::string& dir);
 
 class CheckpointSaver {
  public:

@@ -8,7 +8,7 @@
 
 namespace imgtrain::engine {
 
-ModelEma::ModelEma(std::shared_ptr<ClassifierImpl> module, const torch::nn::Module& model, double decay, bool warmup,
+ModelEma::ModelEma(std::shared_ptr<torch::nn::Module> module, const torch::nn::Module& model, double decay, bool warmup,
                    torch::Device device)
     : module_(std::move(module)), decay_(decay), warmup_(warmup), device_(device) {
   module_->to(device_);

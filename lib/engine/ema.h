@@ -3,7 +3,7 @@
 // decay(step) = 0 for the first update (a copy), then `decay`, or with warmup
 // clamp(1 - (1 + s)^(-2/3), 0, decay) where s = step - 1.
 #pragma once
-#include "core/model.h"
+#include <torch/nn/module.h>
 
 #include <memory>
 
@@ -13,15 +13,15 @@ class ModelEma {
  public:
   // `module` is a model of the same architecture; it is set to a copy of `model` now, and
   // follows that same `model` at every update (its tensors are looked up once, here).
-  ModelEma(std::shared_ptr<ClassifierImpl> module, const torch::nn::Module& model, double decay, bool warmup,
+  ModelEma(std::shared_ptr<torch::nn::Module> module, const torch::nn::Module& model, double decay, bool warmup,
            torch::Device device);
   double decay_at(int64_t step) const;
   void update(int64_t step);
-  ClassifierImpl& module() { return *module_; }
+  torch::nn::Module& module() { return *module_; }
   torch::Device device() const { return device_; }
 
  private:
-  std::shared_ptr<ClassifierImpl> module_;
+  std::shared_ptr<torch::nn::Module> module_;
   double decay_;
   bool warmup_;
   torch::Device device_;

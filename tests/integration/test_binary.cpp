@@ -277,6 +277,18 @@ TEST_CASE("user errors give one clear line and exit code 2", "[integration]") {
   expect_user_error(test::run(kBin + " pack --data-dir " + data + " --out " + (d / "s") + " --shard-size 3XB"),
                     "--shard-size");
   expect_user_error(test::run(kBin + " pack --data-dir " + (d / "nowhere") + " --out " + (d / "s")), "nowhere");
+  // A stray positional argument is refused, not silently dropped (the shard size here).
+  expect_user_error(test::run(kBin + " pack --data-dir " + data + " --out " + (d / "s") + " --shard-size 1GB 500MB"),
+                    "unexpected argument '500MB'");
+  expect_user_error(test::run(kBin + " export --checkpoint a.safetensors --out b.safetensors extra"),
+                    "unexpected argument 'extra'");
+  expect_user_error(test::run(kBin + " train --device cpu --data-dir " + data + " --eval-metric top3"),
+                    "--eval-metric 'top3': expected one of loss, top1, top5");
+  // Help lists long aliases (timm's --accumulation-steps spelling).
+  auto help = test::run(kBin + " train --help");
+  CHECK(help.code == 0);
+  CHECK_THAT(help.output, Catch::Contains("alias: --accumulation-steps") && Catch::Contains("alias: -vb") &&
+                              Catch::Contains("O2 = half weights"));
   auto r = test::run(kBin + " frobnicate");
   CHECK(r.code == 2);
 }
@@ -302,7 +314,7 @@ TEST_CASE("benchmark prints timm's fields and writes the results file", "[integr
   expect_user_error(test::run(kBin + " benchmark --bench fast"), "inference, train, both");
 }
 
-TEST_CASE("a ViT trains at a custom image size; a size off the patch grid is refused", "[integration]") {
+TEST_CASE("a ViT trains at a custom image size, and a size off the patch grid is refused", "[integration]") {
   auto data = test::fmnist_folder(200, 100);
   test::TempDir out("vit");
   const std::string args = " --model vit_tiny_patch16_224 --in-chans 1 -b 50 --opt adamw --lr 1e-3 --warmup-epochs 0 "
@@ -474,7 +486,7 @@ TEST_CASE("every recipe in configs/ parses and trains (shrunk to a few steps on 
   }
 }
 
-TEST_CASE("pack: training from tar shards matches the folder; Python-made shards validate the same", "[integration]") {
+TEST_CASE("pack: training from tar shards matches the folder, and Python-made shards validate the same", "[integration]") {
   auto data = test::fmnist_folder();
   test::TempDir out("shards");
   auto p = test::run(kBin + " pack --data-dir " + data + " --out " + (out / "shards") + " --shard-size 300KB");

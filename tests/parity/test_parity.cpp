@@ -1,10 +1,10 @@
 // Compares imgtrain with timm / torch on references written by make_refs.py (same inputs).
 #include "data/loader.h"
 #include "data/mixup.h"
-#include "engine/loss.h"
 #include "engine/checkpoint.h"
 #include "engine/ema.h"
-#include "engine/trainer.h"
+#include "engine/train_loop.h"
+#include "tasks/classification/loss.h"
 #include "io/weights.h"
 #include "io/safetensors.h"
 #include "model_zoo/registry.h"
@@ -218,7 +218,7 @@ TEST_CASE("optimizers step exactly like torch.optim", "[parity][optim]") {
     auto p = st.find("p0")->clone().requires_grad_(true);
     auto opt = optim::create_optimizer(a, {{"w", p}});
     for (int i = 0; i < 3; ++i) {
-      p.mutable_grad() = st.find("g" + std::to_string(i))->clone();
+      p.mutable_grad() = st.find(fmt::format("g{}", i))->clone();
       opt->step();
       INFO(name << " step " << i);
       CHECK(max_abs_diff(p.detach(), *st.find(name + ".step" + std::to_string(i))) < 1e-6);
@@ -455,16 +455,12 @@ TEST_CASE("gradient clipping matches torch and timm (norm, value, agc)", "[parit
 }
 
 namespace {
-// timm's toy: Sequential(Linear(3, 4), BatchNorm1d(4)).
-struct ToyImpl : ClassifierImpl {
+// timm's toy: Sequential(Linear(3, 4), BatchNorm1d(4)); a plain module (EMA takes any).
+struct ToyImpl : torch::nn::Module {
   ToyImpl() {
     register_module("0", torch::nn::Linear(3, 4));
     register_module("1", torch::nn::BatchNorm1d(4));
   }
-  at::Tensor forward_features(const at::Tensor& x) override { return x; }
-  at::Tensor forward_head(const at::Tensor& x, bool) override { return x; }
-  int64_t num_classes() const override { return 4; }
-  int64_t num_features() const override { return 3; }
 };
 }  // namespace
 
@@ -499,18 +495,18 @@ TEST_CASE("mixup targets and the soft-target / BCE losses match timm", "[parity]
   CHECK(max_abs_diff(data::mixup_target(tgt, 10, torch::tensor(0.7), 0.1), *st.find("mix.batch")) < 1e-6);
   CHECK(max_abs_diff(data::mixup_target(tgt, 10, *st.find("mix.lam_elem"), 0.1), *st.find("mix.elem")) < 1e-6);
   auto lg = *st.find("loss.logits");
-  engine::LossConfig c;
-  CHECK(engine::train_loss(lg, *st.find("mix.batch"), c).item<double>() ==
+  tasks::LossConfig c;
+  CHECK(tasks::train_loss(lg, *st.find("mix.batch"), c).item<double>() ==
         Approx(st.find("loss.soft")->item<double>()).epsilon(1e-6));
   c.bce = true;
   c.smoothing = 0.1;
-  CHECK(engine::train_loss(lg, tgt, c).item<double>() == Approx(st.find("loss.bce_idx")->item<double>()).epsilon(1e-6));
+  CHECK(tasks::train_loss(lg, tgt, c).item<double>() == Approx(st.find("loss.bce_idx")->item<double>()).epsilon(1e-6));
   c.bce_sum = true;
-  CHECK(engine::train_loss(lg, tgt, c).item<double>() == Approx(st.find("loss.bce_sum")->item<double>()).epsilon(1e-6));
+  CHECK(tasks::train_loss(lg, tgt, c).item<double>() == Approx(st.find("loss.bce_sum")->item<double>()).epsilon(1e-6));
   c.bce_sum = false;
   c.smoothing = 0;
   c.bce_target_thresh = 0.2;
-  CHECK(engine::train_loss(lg, *st.find("mix.batch"), c).item<double>() ==
+  CHECK(tasks::train_loss(lg, *st.find("mix.batch"), c).item<double>() ==
         Approx(st.find("loss.bce_dense_thresh")->item<double>()).epsilon(1e-6));
 }
 

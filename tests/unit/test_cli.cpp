@@ -132,7 +132,7 @@ TEST_CASE("config file errors name the key and the file", "[cli]") {
   CHECK_THAT(error_of({"-c", d / "missing.yaml"}), Catch::Contains("cannot read"));
 }
 
-TEST_CASE("a timm args.yaml is accepted; unimplemented timm options only at their default", "[cli]") {
+TEST_CASE("a timm args.yaml is accepted, and unimplemented timm options only at their default", "[cli]") {
   // Written by timm's own train.py argument parser (tests/data, see docs/training.md).
   const std::string timm_yaml = std::string(IMGTRAIN_SOURCE_DIR) + "/tests/data/timm_args_resnet50.yaml";
   auto c = train({"-c", timm_yaml});
@@ -153,10 +153,17 @@ TEST_CASE("a timm args.yaml is accepted; unimplemented timm options only at thei
     test::write_file(d / "a.yaml", t);
     return error_of({"-c", d / "a.yaml"});
   };
-  CHECK_THAT(with("aa: null\n", "aa: rand-m9-mstd0.5\n"),
-             Catch::Contains("key 'aa' is a timm option imgtrain does not implement") && Catch::Contains("rand-m9"));
-  CHECK_THAT(with("\nreprob: 0.0", "\nreprob: 0.25"), Catch::Contains("'reprob'"));
-  CHECK(with("\nreprob: 0.0", "\nreprob: 0") == "");  // the same default written differently
+  CHECK_THAT(with("\njsd_loss: false", "\njsd_loss: true"),
+             Catch::Contains("key 'jsd_loss' is a timm option imgtrain does not implement") &&
+                 Catch::Contains("true"));
+  CHECK_THAT(with("\naug_splits: 0", "\naug_splits: 3"), Catch::Contains("'aug_splits'"));
+  CHECK(with("\naug_splits: 0", "\naug_splits: 0.0") == "");  // the same default written differently
+  CHECK(with("\nsplit_bn: false", "\nsplit_bn: False") == "");
+  // Options imgtrain implements take effect from the file.
+  CHECK(with("aa: null\n", "aa: rand-m9-mstd0.5\n") == "");
+  CHECK(train({"-c", d / "a.yaml"}).aa == "rand-m9-mstd0.5");
+  CHECK(with("\nreprob: 0.0", "\nreprob: 0.25") == "");
+  CHECK(train({"-c", d / "a.yaml"}).reprob == 0.25);
   CHECK_THAT(with("\nbatch_size: 128", "\nbatchsize: 128"),
              Catch::Contains("unknown key 'batchsize'") && Catch::Contains("did you mean 'batch_size'"));
   CHECK_THAT(with("\nsmoothing: 0.1", "\nsmothing: 0.1"), Catch::Contains("did you mean 'smoothing'"));
@@ -219,4 +226,31 @@ TEST_CASE("the worker environment is read as torchrun and SLURM define it", "[di
                     Catch::Contains("MASTER_ADDR is not set"));
   CHECK_THROWS_WITH(env_of({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "a"}, {"MASTER_PORT", "70000"}}),
                     Catch::Contains("MASTER_PORT"));
+}
+
+TEST_CASE("flags that would have no effect are refused by name, from the command line or a file", "[cli]") {
+  using C = Command;
+  CHECK_THAT(error_of({"--bench", "data", "--model", "resnet18"}, C::Benchmark),
+             Catch::Contains("--model has no effect with --bench data"));
+  CHECK_THAT(error_of({"--bench", "data", "--channels-last"}, C::Benchmark), Catch::Contains("--channels-last"));
+  CHECK_THAT(error_of({"--bench", "data", "--device", "cpu"}, C::Benchmark), Catch::Contains("--device"));
+  CHECK(error_of({"--bench", "data", "--data-dir", "/d", "-j", "2", "--hflip", "0"}, C::Benchmark) == "");
+  CHECK_THAT(error_of({"--bench", "train", "--data-dir", "/d"}, C::Benchmark),
+             Catch::Contains("--data-dir has no effect with --bench train"));
+  CHECK_THAT(error_of({"--model", "resnet18", "-j", "3"}, C::Benchmark), Catch::Contains("--workers"));
+  CHECK(error_of({"--model", "resnet18", "--bench", "inference", "--channels-last"}, C::Benchmark) == "");
+  CHECK_THAT(error_of({"--nnodes", "2"}), Catch::Contains("--nnodes has no effect without --nproc-per-node"));
+  CHECK_THAT(error_of({"--master-port", "29500"}), Catch::Contains("--master-port"));
+  CHECK(error_of({"--nproc-per-node", "2", "--nnodes", "2", "--master-port", "29500"}) == "");
+  CHECK_THAT(error_of({"--checkpoint", "a.safetensors", "--pretrained"}, C::Validate),
+             Catch::Contains("--pretrained has no effect with --checkpoint"));
+  CHECK_THAT(error_of({"--checkpoint", "a.safetensors", "--pretrained-path", "b"}, C::Validate),
+             Catch::Contains("--pretrained-path"));
+  CHECK(error_of({"--pretrained", "--model", "resnet18"}, C::Validate) == "");
+  // In a file only a value other than the default counts: imgtrain's own args.yaml names every flag.
+  test::TempDir d("given");
+  test::write_file(d / "same.yaml", "nnodes: 1\nmaster_addr: 127.0.0.1\nmaster_port: 0\n");
+  CHECK(error_of({"-c", d / "same.yaml"}) == "");
+  test::write_file(d / "other.yaml", "nnodes: 2\n");
+  CHECK_THAT(error_of({"-c", d / "other.yaml"}), Catch::Contains("--nnodes has no effect"));
 }

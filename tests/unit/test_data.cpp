@@ -9,6 +9,7 @@
 
 #include <catch2/catch.hpp>
 #include <opencv2/imgcodecs.hpp>
+#include <zlib.h>
 #include <opencv2/imgproc.hpp>
 #include <torch/torch.h>
 #include <zlib.h>
@@ -49,7 +50,7 @@ cv::Mat make_image(int h, int w, int seed) {
   for (int y = 0; y < h; ++y)
     for (int x = 0; x < w; ++x)
       m.at<cv::Vec3b>(y, x) = {uint8_t((x * 255) / w), uint8_t((y * 255) / h), uint8_t((x + y + seed * 37) % 256)};
-  cv::circle(m, {w / 2, h / 2}, std::min(h, w) / 4, {uint8_t(seed * 50), 200, 30}, -1);
+  cv::circle(m, {w / 2, h / 2}, std::min(h, w) / 4, cv::Scalar(double(uint8_t(seed * 50)), 200, 30), -1);
   return m;
 }
 
@@ -165,6 +166,54 @@ TEST_CASE("decoding JPEG, PNG variants and corrupt files", "[data][decode]") {
   // Truncated JPEG and garbage are DecodeErrors naming the file.
   CHECK_THROWS_WITH(decode_image(jpg.substr(0, jpg.size() / 2), "cut.jpg"), Catch::Contains("cut.jpg"));
   CHECK_THROWS_AS(decode_image("definitely not an image", "junk.png"), DecodeError);
+}
+
+namespace {
+// A PNG chunk with its CRC.
+std::string png_chunk(const std::string& type, const std::string& data) {
+  auto be32 = [](uint32_t v) {
+    return std::string{char(v >> 24), char((v >> 16) & 255), char((v >> 8) & 255), char(v & 255)};
+  };
+  const std::string body = type + data;
+  const auto crc = uint32_t(crc32(0, reinterpret_cast<const Bytef*>(body.data()), uInt(body.size())));
+  return be32(uint32_t(data.size())) + body + be32(crc);
+}
+}  // namespace
+
+TEST_CASE("decode errors say what is wrong in words, and libpng's chatter stays out of the log", "[data][decode]") {
+  CHECK_THROWS_WITH(decode_image("", "zero.png"), Catch::Equals("cannot decode 'zero.png': empty file"));
+  CHECK_THROWS_WITH(decode_image("definitely not an image", "junk.png"), Catch::Contains("'junk.png': not an image"));
+  cv::Mat bgr(5, 7, CV_8UC3, cv::Scalar(10, 20, 30));
+  std::vector<uchar> buf;
+  cv::imencode(".png", bgr, buf);
+  const std::string png(buf.begin(), buf.end());
+  CHECK_THROWS_WITH(decode_image(png.substr(0, 40), "cut.png"), Catch::Contains("'cut.png': truncated or corrupt PNG"));
+  // An iCCP chunk holding a broken profile (libpng warns about such on stderr): decoded as if absent,
+  // and nothing is printed.
+  uLongf zlen = 64;
+  std::vector<Bytef> z(zlen);
+  const std::string profile(40, 'x');
+  REQUIRE(compress(z.data(), &zlen, reinterpret_cast<const Bytef*>(profile.data()), uLong(profile.size())) == Z_OK);
+  const std::string iccp = png_chunk("iCCP", std::string("sRGB\0\0", 6) + std::string(z.begin(), z.begin() + long(zlen)));
+  const size_t after_ihdr = 8 + 25;  // signature, then IHDR (13 bytes of data + 12)
+  const std::string with_iccp = png.substr(0, after_ihdr) + iccp + png.substr(after_ihdr);
+  std::fflush(stderr);
+  test::TempDir d("stderr");
+  const int saved = dup(2);
+  FILE* sink = std::fopen((d / "err.txt").c_str(), "w");
+  dup2(fileno(sink), 2);
+  cv::Mat out;
+  try {
+    out = decode_image(with_iccp, "icc.png");
+  } catch (...) {
+  }
+  std::fflush(stderr);
+  dup2(saved, 2);
+  close(saved);
+  std::fclose(sink);
+  CHECK(test::read_file(d / "err.txt") == "");
+  REQUIRE(out.rows == 5);
+  CHECK(out.at<cv::Vec3b>(2, 3) == cv::Vec3b(30, 20, 10));  // RGB
 }
 
 TEST_CASE("RandomResizedCrop boxes follow timm's rules", "[data][transforms]") {
@@ -531,7 +580,7 @@ TEST_CASE("pack writes tar shards that read back as the same samples", "[data][s
   for (size_t i = 0; i < st->size(); ++i) CHECK(std::max(st->image(i).rows, st->image(i).cols) <= 45);
 }
 
-TEST_CASE("a corrupt image inside a shard is skipped and counted; a truncated shard keeps what precedes", "[data][shards]") {
+TEST_CASE("a corrupt image inside a shard is skipped and counted, and a truncated shard keeps what precedes", "[data][shards]") {
   test::TempDir dir("shardbad");
   write_jpeg_folder(dir / "in", 12, 5);
   PackOptions po;
@@ -617,4 +666,39 @@ TEST_CASE("ImageFolder's scan is cached and invalidated when a folder changes", 
   unsetenv("IMGTRAIN_SCAN_CACHE");
   unsetenv("IMGTRAIN_SCAN_CACHE_MIN_FILES");
   unsetenv("XDG_CACHE_HOME");
+}
+
+TEST_CASE("detection targets move with the image, and the pad collate keeps each image's size", "[data][target]") {
+  // Two images of different sizes and channel layout HWC: padded to multiples of 32, top-left.
+  cv::Mat a(30, 45, CV_8UC3, cv::Scalar(1, 2, 3)), b(64, 20, CV_8UC3, cv::Scalar(9, 8, 7));
+  auto batch = pad_collate({a, b});
+  CHECK(batch.images.sizes() == at::IntArrayRef{2, 64, 64, 3});
+  CHECK(torch::equal(batch.sizes, torch::tensor({30, 45, 64, 20}, torch::kLong).view({2, 2})));
+  CHECK(batch.images[0][29][44][2].item<int>() == 3);
+  CHECK(batch.images[0][30][0].sum().item<int>() == 0);  // padding below
+  CHECK(batch.images[0][0][45].sum().item<int>() == 0);  // and to the right
+  CHECK(batch.images[1][63][19][0].item<int>() == 9);
+  CHECK(batch.images[1].narrow(1, 20, 44).sum().item<int>() == 0);
+  CHECK(pad_collate({cv::Mat(32, 33, CV_8UC1, cv::Scalar(5))}, 32).images.sizes() == at::IntArrayRef{1, 32, 64, 1});
+  CHECK_THROWS(pad_collate({a, cv::Mat(4, 4, CV_8UC1)}));
+
+  // One flip decision for the image and its boxes (torchvision: x1' = w - x2, x2' = w - x1).
+  cv::Mat img(10, 40, CV_8UC1, cv::Scalar(0));
+  img.at<uint8_t>(2, 3) = 255;
+  BoxTarget t{torch::tensor({3.0f, 2.0f, 11.0f, 6.0f, 0.0f, 0.0f, 40.0f, 10.0f}).view({2, 4}), torch::tensor({1, 2})};
+  std::mt19937_64 rng(1);
+  CHECK(random_hflip(img, t, 1.0, rng));
+  CHECK(img.at<uint8_t>(2, 36) == 255);
+  CHECK(torch::equal(t.boxes, torch::tensor({29.0f, 2.0f, 37.0f, 6.0f, 0.0f, 0.0f, 40.0f, 10.0f}).view({2, 4})));
+  CHECK_FALSE(random_hflip(img, t, 0.0, rng));
+  // p = 0.5 flips about half the time, from the generator alone
+  int flips = 0;
+  for (int i = 0; i < 2000; ++i) flips += random_hflip(img, t, 0.5, rng);
+  CHECK(flips > 900);
+  CHECK(flips < 1100);
+
+  // Resizing 40x10 to 80x25: x by 2, y by 2.5.
+  BoxTarget r{torch::tensor({4.0f, 2.0f, 8.0f, 6.0f}).view({1, 4}), torch::tensor({1})};
+  resize_boxes(r, {40, 10}, {80, 25});
+  CHECK(torch::allclose(r.boxes, torch::tensor({8.0f, 5.0f, 16.0f, 15.0f}).view({1, 4})));
 }

@@ -1,7 +1,9 @@
 // dist::Context in one process: two ranks on threads, each a client of a store the test hosts.
 // SyncBatchNorm and the reducer against one BatchNorm / one model on the union batch, in float64
 // (so any difference is a formula error, not rounding).
+#ifndef USE_C10D_GLOO
 #define USE_C10D_GLOO
+#endif
 #include "core/batch_norm.h"
 #include "dist/dist.h"
 

@@ -1,10 +1,11 @@
 #include "core/error.h"
 #include "engine/checkpoint.h"
-#include "engine/trainer.h"
+#include "engine/train_loop.h"
 #include "io/weights.h"
 #include "io/safetensors.h"
 #include "model_zoo/registry.h"
 #include "optim/optim.h"
+#include "tasks/classification/classification.h"
 #include "test_util.h"
 
 #include <catch2/catch.hpp>
@@ -269,16 +270,18 @@ at::Tensor train_linear(int64_t batch, int64_t accum, const std::string& opt) {
   std::vector<std::pair<std::string, at::Tensor>> named;
   for (auto& p : model->named_parameters()) named.emplace_back(p.key(), p.value());
   auto o = optim::create_optimizer(oa, named);
-  engine::EpochOptions eo;
+  tasks::ClassificationOptions co;
+  co.loss.smoothing = 0.1;
+  tasks::ClassificationTask task(co);
+  engine::LoopOptions eo;
   eo.accum_steps = accum;
-  eo.loss.smoothing = 0.1;
   eo.log_interval = 1000;
   eo.mean = {0.5, 0.5, 0.5};
   eo.std = {0.25, 0.25, 0.25};
   int64_t updates = 0;
   for (int64_t e = 0; e < 2; ++e) {
     eo.epoch = e;
-    engine::train_one_epoch(*model, loader, *o, nullptr, updates, eo);  // NOLINT
+    engine::train_one_epoch(task, *model, loader, *o, nullptr, updates, eo);  // NOLINT
   }
   CHECK(updates == 2 * 32 / (batch * accum));
   return model->fc->weight.detach().clone();
@@ -350,7 +353,9 @@ TEST_CASE("a skipped step leaves the weights alone and training goes on", "[engi
   for (auto& p : model->named_parameters()) named.emplace_back(p.key(), p.value());
   auto o = optim::create_optimizer(oa, named);
   engine::LossScaler s(65536.0, true, torch::kCPU);
-  engine::EpochOptions eo;
+  const tasks::ClassificationOptions defaults;
+  tasks::ClassificationTask task(defaults);
+  engine::LoopOptions eo;
   eo.mean = {0.5, 0.5, 0.5};
   eo.std = {0.25, 0.25, 0.25};
   eo.scaler = &s;
@@ -358,13 +363,13 @@ TEST_CASE("a skipped step leaves the weights alone and training goes on", "[engi
   auto before = model->fc->weight.detach().clone();
   int64_t updates = 0;
   model->gain = 1e35;  // loss ~1e35, times the scale: inf
-  auto res = engine::train_one_epoch(*model, loader, *o, nullptr, updates, eo);
+  auto res = engine::train_one_epoch(task, *model, loader, *o, nullptr, updates, eo);
   CHECK(res.skipped_steps == 4);
   CHECK(s.value() == 65536.0 / 16);  // halved at every skipped update
   CHECK(torch::equal(before, model->fc->weight.detach()));
   model->gain = 1.0;
   eo.epoch = 1;
-  res = engine::train_one_epoch(*model, loader, *o, nullptr, updates, eo);
+  res = engine::train_one_epoch(task, *model, loader, *o, nullptr, updates, eo);
   CHECK(res.skipped_steps == 0);
   CHECK_FALSE(torch::equal(before, model->fc->weight.detach()));
   CHECK(std::isfinite(res.loss));

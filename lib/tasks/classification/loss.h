@@ -6,7 +6,7 @@
 
 #include <optional>
 
-namespace imgtrain::engine {
+namespace imgtrain::tasks {
 
 struct LossConfig {
   double smoothing = 0.0;  // applied here only to index targets (mixup smooths its own targets)
@@ -17,4 +17,4 @@ struct LossConfig {
 
 at::Tensor train_loss(const at::Tensor& logits, const at::Tensor& target, const LossConfig& c);
 
-}  // namespace imgtrain::engine
+}  // namespace imgtrain::tasks

@@ -1,8 +1,8 @@
-#include "engine/loss.h"
+#include "tasks/classification/loss.h"
 
 #include <torch/torch.h>
 
-namespace imgtrain::engine {
+namespace imgtrain::tasks {
 
 at::Tensor train_loss(const at::Tensor& logits, const at::Tensor& target, const LossConfig& c) {
   namespace F = torch::nn::functional;
@@ -26,4 +26,4 @@ at::Tensor train_loss(const at::Tensor& logits, const at::Tensor& target, const 
   return F::cross_entropy(logits, target, F::CrossEntropyFuncOptions().label_smoothing(c.smoothing));
 }
 
-}  // namespace imgtrain::engine
+}  // namespace imgtrain::tasks

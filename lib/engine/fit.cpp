@@ -1,0 +1,375 @@
+// `imgtrain train`: a validated Config -> the task, model, data, optimizer and schedule, then
+// the epoch loop (train, distribute BN, evaluate model and EMA, summary row, lr step, checkpoint).
+#include "cli/adapters.h"
+#include "core/error.h"
+#include "core/log.h"
+#include "dist/launcher.h"
+#include "engine/checkpoint.h"
+#include "engine/commands.h"
+#include "engine/evaluate.h"
+#include "engine/run_folder.h"
+#include "engine/setup.h"
+#include "engine/train_loop.h"
+#include "model_zoo/registry.h"
+#include "tasks/tasks.h"
+
+#include <fmt/ranges.h>
+#include <torch/torch.h>
+
+#include <chrono>
+#include <csignal>
+#include <filesystem>
+#include <sstream>
+
+namespace fs = std::filesystem;
+
+namespace imgtrain::engine {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Everything the epoch loop carries between epochs and into checkpoints.
+struct Run {
+  tasks::TaskSetup setup;
+  std::shared_ptr<torch::nn::Module> model;
+  std::unique_ptr<LossScaler> scaler;
+  std::unique_ptr<MasterWeights> master;
+  std::unique_ptr<optim::Optimizer> optimizer;
+  std::unique_ptr<optim::Scheduler> scheduler;
+  std::unique_ptr<ModelEma> ema;
+  std::string args_yaml;
+  int64_t num_updates = 0;
+
+  // One checkpoint file: everything --resume needs to continue exactly.
+  void write(const std::string& path, int64_t epoch, double metric, double best_metric, int64_t best_epoch,
+             std::optional<int64_t> recovery_update) const {
+    CheckpointMeta meta = setup.model_meta;
+    meta.epoch = epoch;
+    meta.num_updates = num_updates;
+    meta.recovery_update = recovery_update;
+    meta.metric = metric;
+    meta.best_metric = best_metric;
+    meta.best_epoch = best_epoch;
+    const auto p = scheduler->plateau_state();
+    meta.plateau = fmt::format("{} {} {}", p.lr, p.best, p.num_bad);
+    meta.args = args_yaml;
+    TrainStateRefs s;
+    s.model = model.get();
+    s.ema = ema ? &ema->module() : nullptr;
+    s.optim = optimizer->state();
+    if (master) s.master = master->named_masters();
+    if (scaler) s.scaler = scaler->state();
+    s.rng_cpu = at::detail::getDefaultCPUGenerator().get_state();
+    write_checkpoint(path, meta, s);
+  }
+};
+
+// timm: lr unset -> lr_base scaled by the global batch size.
+double resolve_lr(const cli::Config& cfg, int64_t world) {
+  if (cfg.lr) return *cfg.lr;
+  const int64_t global_batch = cfg.batch_size * cfg.grad_accum_steps * world;
+  std::string how;
+  const double lr = optim::scaled_lr(cfg.lr_base, cfg.lr_base_size, cfg.lr_base_scale, cfg.opt, global_batch, &how);
+  log::info("Learning rate ({}) calculated from base learning rate ({}) and effective global batch size ({}) "
+            "with {} scaling.",
+            lr, cfg.lr_base, global_batch, how);
+  return lr;
+}
+
+// The created model's weights, precision and data parallel.
+void build(Run& r, const cli::Config& cfg, torch::Device device, dist::Context* ctx, const Amp& amp) {
+  Task& task = *r.setup.task;
+  log::info("Model {} created, param count:{}", cfg.model, model_zoo::count_params(*r.model));
+  task.load_pretrained(*r.model);
+  if (r.scaler)
+    log::info("Using {}. Training in mixed precision ({} loss scaling).",
+              amp.o2 ? "O2: half-precision weights with float32 master weights" : "native Torch AMP",
+              cfg.loss_scale ? fmt::format("static {}", *cfg.loss_scale) : std::string("dynamic"));
+  else if (amp.enabled || amp.o2)
+    log::info("Using native Torch AMP. Training in mixed precision (bfloat16, no loss scaling).");
+  else
+    log::info("AMP not enabled. Training in float32.");
+  if (!cfg.initial_checkpoint.empty()) {
+    Checkpoint::read(cfg.initial_checkpoint).load_weights(*r.model, /*prefer_ema=*/true);
+    log::info("Loaded weights from '{}'", cfg.initial_checkpoint);
+  }
+  r.model->to(device);
+  if (cfg.channels_last) to_channels_last(*r.model);
+  if (ctx) {
+    if (cfg.sync_bn) ctx->convert_sync_batchnorm(*r.model);
+    ctx->broadcast_model(*r.model);  // every rank starts from rank 0's weights and buffers
+  }
+  if (amp.o2) r.master = std::make_unique<MasterWeights>(*r.model, amp.dtype);
+}
+
+// The optimizer on the model's parameters (the float32 masters under O2) and the schedule.
+void build_optimizer(Run& r, const cli::Config& cfg, int64_t world, int64_t updates_per_epoch) {
+  const double lr = resolve_lr(cfg, world);
+  std::vector<std::pair<std::string, at::Tensor>> named;
+  if (r.master) named = r.master->named_masters();
+  else
+    for (auto& p : r.model->named_parameters()) named.emplace_back(p.key(), p.value());
+  const auto info = r.setup.task->param_info(*r.model);
+  if (cfg.layer_decay && info.group_matcher.empty())
+    throw UserError(fmt::format("--layer-decay: {} has no layer grouping", cfg.model));
+  r.optimizer = optim::create_optimizer(cli::optimizer_options(cfg, lr), named, info.no_weight_decay,
+                                        info.group_matcher);
+  r.scheduler = std::make_unique<optim::Scheduler>(cli::scheduler_options(cfg, lr, updates_per_epoch));
+  if (cfg.sched == "plateau" && cfg.sched_on_updates)
+    throw UserError("--sched plateau steps per epoch only (it follows the eval metric); drop --sched-on-updates");
+  r.optimizer->set_lr(r.scheduler->initial_lr());
+}
+
+// Where a resumed run continues.
+struct ResumePoint {
+  int64_t start_epoch = 0, start_update = 0;
+  at::Tensor rng;  // restored last, after anything that draws
+  std::string plateau;
+};
+
+ResumePoint resume(Run& r, const cli::Config& cfg, const std::string& path, CheckpointSaver& saver) {
+  ResumePoint p;
+  if (path.empty()) return p;
+  const auto ck = Checkpoint::read(path);
+  ck.require_training("--resume", cfg.model);
+  ck.load_prefixed(*r.model, "model.");
+  if (r.master) {  // the float32 masters as saved (the model's half weights are their rounding)
+    torch::NoGradGuard ng;
+    for (auto& [k, t] : r.master->named_masters()) {
+      auto* saved = ck.find("master." + k);
+      if (!saved) throw UserError(fmt::format("--resume '{}': no O2 master weights (master.{})", path, k));
+      t.copy_(*saved);
+    }
+  }
+  if (!cfg.no_resume_opt) r.optimizer->load_state(ck.section("optim."));
+  if (r.scaler) r.scaler->load_state(ck.section("scaler."));
+  if (auto* rng = ck.find("rng.cpu")) p.rng = *rng;
+  const auto& m = ck.meta();
+  p.start_epoch = *m.epoch + 1;
+  if (m.recovery_update) {
+    --p.start_epoch;  // a mid-epoch recovery point: the same epoch, from the next update
+    p.start_update = *m.recovery_update + 1;
+  }
+  p.plateau = m.plateau;
+  r.num_updates = *m.num_updates;
+  if (m.best_metric) {
+    saver.best_metric = *m.best_metric;
+    saver.best_epoch = m.best_epoch.value_or(-1);
+  }
+  log::info("Resumed from checkpoint '{}' (epoch {})", path, p.start_epoch - 1);
+  return p;
+}
+
+int fit(const cli::Config& cfg, torch::Device device, dist::Context* ctx) {
+  const int64_t rank = ctx ? ctx->rank() : 0, world = ctx ? ctx->world() : 1;
+  const bool primary = rank == 0;  // only rank 0 writes files
+  torch::manual_seed(uint64_t(cfg.seed + rank));  // timm's random_seed(seed, rank)
+  Run r;
+  r.setup = tasks::create_train_task(cfg, rank, world);
+  Task& task = *r.setup.task;
+  const auto names = task.metric_names();
+  if (std::find(names.begin(), names.end(), cfg.eval_metric) == names.end())
+    throw UserError(fmt::format("--eval-metric '{}': expected one of {} (what the {} task reports)", cfg.eval_metric,
+                                fmt::join(names, ", "), task.name()));
+  const DataConfig& dc = r.setup.data;
+  const Amp amp = resolve_amp(cfg.amp, cfg.amp_dtype, cfg.amp_opt_level);
+  if ((amp.enabled || amp.o2) && amp.dtype == at::kHalf)
+    r.scaler = std::make_unique<LossScaler>(cfg.loss_scale.value_or(65536.0), !cfg.loss_scale, device);
+
+  // (after the data checks and the model's own checks, so that a user error stays one line)
+  r.model = task.create_model();
+  if (ctx)
+    log::info("Training in distributed mode with multiple processes, 1 device per process. Process {}, total {}, "
+              "device {} ({}).",
+              rank, world, device.str(), ctx->backend());
+  else
+    log::info("Training with a single process on 1 device ({}).", device.str());
+  build(r, cfg, device, ctx, amp);
+
+  data::LoaderOptions lo = cli::loader_options(cfg);
+  lo.pin_memory = cfg.pin_mem && device.is_cuda();
+  lo.rank = rank;
+  lo.world = world;
+  data::Loader train_loader(r.setup.train, r.setup.train_transform, lo);
+  data::LoaderOptions elo = lo;
+  elo.repeats = 0;  // evaluation: timm's OrderedDistributedSampler
+  elo.batch_size = cfg.validation_batch_size.value_or(cfg.batch_size);
+  elo.shuffle = false;
+  elo.drop_last = false;
+  data::Loader eval_loader(r.setup.eval, r.setup.eval_transform, elo);
+
+  const int64_t updates_per_epoch =
+      int64_t((train_loader.num_batches() + size_t(cfg.grad_accum_steps) - 1) / size_t(cfg.grad_accum_steps));
+  build_optimizer(r, cfg, world, updates_per_epoch);
+  optim::Scheduler& scheduler = *r.scheduler;
+  const int64_t num_epochs = scheduler.num_epochs();
+
+  r.args_yaml = cli::to_yaml(cli::Command::Train, cfg);
+  const RunFolder run(cfg.output, cfg.experiment.empty() ? default_experiment(cfg.model, dc.img_size) : cfg.experiment,
+                      r.args_yaml, primary);
+  run.open_log();
+
+  // --resume auto (a restarted or preempted job): the newest checkpoint of this run's folder.
+  std::string resume_path = cfg.resume;
+  if (cfg.resume == "auto") {
+    resume_path = find_latest_checkpoint(run.dir());
+    if (resume_path.empty()) log::info("--resume auto: no checkpoint in '{}' yet; starting from scratch", run.dir());
+  }
+  CheckpointSaver saver(run.dir(), cfg.checkpoint_hist, /*decreasing=*/cfg.eval_metric == "loss");
+  const ResumePoint rp = resume(r, cfg, resume_path, saver);
+  int64_t start_epoch = rp.start_epoch;
+  if (cfg.model_ema) {
+    // Created after any resume of the model, as timm does, then given the checkpoint's EMA.
+    r.ema = std::make_unique<ModelEma>(task.create_model(), *r.model, cfg.model_ema_decay, cfg.model_ema_warmup,
+                                       cfg.model_ema_force_cpu ? torch::kCPU : device);
+    if (cfg.channels_last) to_channels_last(r.ema->module());
+    if (!resume_path.empty()) {
+      const auto ck = Checkpoint::read(resume_path);
+      if (ck.has_ema()) ck.load_prefixed(r.ema->module(), "ema.");
+    }
+  }
+  std::unique_ptr<dist::GradSync> grad_sync;  // created last, on the final parameters (as DDP)
+  if (ctx) grad_sync = ctx->grad_sync(*r.model, cfg.bucket_cap_mb, !cfg.no_ddp_bb);
+  if (cfg.start_epoch) start_epoch = *cfg.start_epoch;
+  log::info("Scheduled epochs: {}. LR stepped per {}.", num_epochs, cfg.sched_on_updates ? "update" : "epoch");
+  if (start_epoch > 0 && cfg.sched == "plateau" && !rp.plateau.empty()) {
+    optim::Scheduler::PlateauState ps;  // the metric-driven state as the checkpoint left it
+    std::istringstream in(rp.plateau);
+    in >> ps.lr >> ps.best >> ps.num_bad;
+    scheduler.set_plateau_state(ps);
+    r.optimizer->set_lr(ps.lr);
+  } else if (start_epoch > 0) {  // as timm: position the schedule at the resumed epoch
+    if (auto s = cfg.sched_on_updates ? scheduler.on_update(r.num_updates) : scheduler.on_epoch(start_epoch))
+      r.optimizer->set_lr(*s);
+  }
+
+  LoopOptions lopt;
+  lopt.accum_steps = cfg.grad_accum_steps;
+  lopt.clip_grad = cfg.clip_grad;
+  lopt.clip_mode = cfg.clip_mode;
+  lopt.log_interval = cfg.log_interval;
+  lopt.mean = dc.mean;
+  lopt.std = dc.std;
+  lopt.device = device;
+  lopt.amp = amp.enabled;
+  lopt.amp_dtype = amp.dtype;
+  lopt.scaler = r.scaler.get();
+  lopt.channels_last = cfg.channels_last;
+  lopt.scheduler = &scheduler;
+  lopt.master = r.master.get();
+  lopt.dist = ctx;
+  lopt.grad_sync = grad_sync.get();
+  // --recovery-interval: mid-epoch checkpoints after every N updates (the previous one removed);
+  // resuming from one continues with the next update of the same epoch.
+  std::string last_recovery;
+  lopt.recovery_interval = cfg.recovery_interval;
+  lopt.save_recovery = [&](int64_t update_idx) {
+    if (!primary) return;
+    const std::string path = run.path(fmt::format("recovery-{}-{}.safetensors", lopt.epoch, update_idx));
+    r.write(path, lopt.epoch, saver.best_metric.value_or(0.0), saver.best_metric.value_or(0.0), saver.best_epoch,
+            update_idx);
+    std::error_code ec;
+    if (!last_recovery.empty() && last_recovery != path) fs::remove(last_recovery, ec);
+    last_recovery = path;
+  };
+  EvalOptions eopt;
+  eopt.device = device;
+  eopt.mean = dc.mean;
+  eopt.std = dc.std;
+  eopt.channels_last = cfg.channels_last;
+  eopt.amp = amp;
+  eopt.log_interval = cfg.log_interval;
+  eopt.dist = ctx;
+  if (rp.rng.defined()) {
+    auto g = at::detail::getDefaultCPUGenerator();
+    g.set_state(rp.rng);
+  }
+
+  const auto fit_start = Clock::now();
+  EvalResult last_eval, last_model_eval;  // last_eval is the EMA's when EMA is on (timm's metric)
+  for (int64_t epoch = start_epoch; epoch < num_epochs; ++epoch) {
+    lopt.start_update = epoch == start_epoch ? rp.start_update : 0;
+    lopt.epoch = epoch;
+    const auto res = train_one_epoch(task, *r.model, train_loader, *r.optimizer, r.ema.get(), r.num_updates, lopt);
+    if (res.stopped_by) {
+      log::info("Stopped by signal {} after update {} of epoch {}{}", res.stopped_by, res.stopped_after, epoch,
+                last_recovery.empty() ? "" : "; recovery checkpoint " + last_recovery);
+      log::set_file("");
+      return 128 + res.stopped_by;
+    }
+    if (ctx && !cfg.sync_bn && !cfg.dist_bn.empty()) {  // timm's distribute_bn
+      log::info("Distributing BatchNorm running means and vars");
+      ctx->distribute_bn(*r.model, cfg.dist_bn == "reduce");
+      if (r.ema && !cfg.model_ema_force_cpu) ctx->distribute_bn(r.ema->module(), cfg.dist_bn == "reduce");
+    }
+    if (train_loader.skipped_this_epoch())
+      log::warn("epoch {}: skipped {} unreadable image(s) in training", epoch, train_loader.skipped_this_epoch());
+    if (res.skipped_steps)
+      log::warn("epoch {}: skipped {} optimizer step(s) with non-finite gradients (loss scale now {})", epoch,
+                res.skipped_steps, r.scaler ? r.scaler->value() : 0.0);
+    eopt.log_suffix = "";
+    last_eval = last_model_eval = evaluate(task, *r.model, eval_loader, eopt);
+    if (r.ema && !cfg.model_ema_force_cpu) {  // as timm: the EMA's metrics are the epoch's
+      eopt.log_suffix = " (EMA)";
+      last_eval = evaluate(task, r.ema->module(), eval_loader, eopt);
+    }
+    const double metric = last_eval.get(cfg.eval_metric);
+    run.append_summary(epoch, {{"loss", res.loss}}, last_eval.metrics, r.optimizer->mean_lr());
+
+    // timm's lr_scheduler.step(epoch + 1, metric), before the checkpoint so that it holds the
+    // plateau scheduler's state after this epoch's metric.
+    if (auto next = scheduler.on_epoch(epoch + 1, metric)) r.optimizer->set_lr(*next);
+    const bool new_best = !saver.best_metric || saver.better(metric, *saver.best_metric);
+    const double best_metric = new_best ? metric : *saver.best_metric;
+    const int64_t best_epoch = new_best ? epoch : saver.best_epoch;
+    if (primary)
+      saver.save(epoch, metric, [&](const std::string& path) {
+        r.write(path, epoch, metric, best_metric, best_epoch, std::nullopt);
+      });
+    if (epoch + 1 < num_epochs) {  // a stop request during evaluation: after this epoch's checkpoint
+      const int sig = dist::stop_signal();
+      if (ctx ? ctx->any(sig != 0) : sig != 0) {
+        log::info("Stopped by signal {} after epoch {} (checkpoint written)", sig ? sig : SIGTERM, epoch);
+        log::set_file("");
+        return 128 + (sig ? sig : SIGTERM);
+      }
+    }
+  }
+  if (saver.best_metric) log::info("*** Best metric: {} (epoch {})", *saver.best_metric, saver.best_epoch);
+  log::info("Training time: {:.1f} min for epochs {}..{}",
+            std::chrono::duration<double>(Clock::now() - fit_start).count() / 60.0, start_epoch, num_epochs - 1);
+  if (last_eval.count && r.ema && !cfg.model_ema_force_cpu)
+    log::info("Final test accuracy: {:.4f} (EMA; the model itself {:.4f}; top-1 of the last epoch on {} images)",
+              last_eval.get("top1") / 100.0, last_model_eval.get("top1") / 100.0, last_eval.count);
+  else if (last_eval.count)
+    log::info("Final test accuracy: {:.4f} (top-1 of the last epoch on {} images)", last_eval.get("top1") / 100.0,
+              last_eval.count);
+  log::set_file("");
+  return 0;
+}
+
+}  // namespace
+
+int train(const cli::Config& cfg) {
+  if (cfg.resume != "auto") require_file(cfg.resume, "--resume");
+  if (cfg.resume == "auto" && cfg.experiment.empty())
+    throw UserError("--resume auto finds the run's folder from --experiment; give --experiment NAME");
+  require_file(cfg.pretrained_path, "--pretrained-path");
+  require_file(cfg.initial_checkpoint, "--initial-checkpoint");
+  dist::install_stop_handlers();
+  auto device = resolve_device(cfg.device);
+  auto ctx = join_process_group(cfg.dist_backend, cfg.dist_timeout, device);
+  try {
+    return fit(cfg, device, ctx.get());
+  } catch (const UserError&) {
+    throw;
+  } catch (const dist::PeerLost&) {
+    throw;
+  } catch (const std::exception& e) {
+    if (ctx)
+      if (auto lost = ctx->explain(e)) throw *lost;
+    throw;
+  }
+}
+
+}  // namespace imgtrain::engine

@@ -1,0 +1,30 @@
+// A training run's output folder, as timm lays it out: <output>/<experiment>/ with args.yaml,
+// log.txt, summary.csv (epoch, train_*, eval_* in the evaluator's order, lr) and the checkpoints.
+// Only the primary rank writes; the others get the same paths.
+#pragma once
+#include "engine/task.h"
+
+#include <string>
+
+namespace imgtrain::engine {
+
+// timm's default experiment name: <YYYYmmdd-HHMMSS>-<model>-<img size>.
+std::string default_experiment(const std::string& model, int64_t img_size);
+
+class RunFolder {
+ public:
+  // Creates <output or ./output/train>/<experiment> and writes args.yaml there (primary only).
+  RunFolder(const std::string& output, const std::string& experiment, const std::string& args_yaml, bool primary);
+  const std::string& dir() const { return dir_; }
+  std::string path(const std::string& name) const { return dir_ + "/" + name; }
+  // Sends the log to <dir>/log.txt as well (primary only).
+  void open_log() const;
+  // One summary.csv row; the header is written with the first row of a new file.
+  void append_summary(int64_t epoch, const NamedValues& train, const NamedValues& eval, double lr) const;
+
+ private:
+  std::string dir_;
+  bool primary_;
+};
+
+}  // namespace imgtrain::engine

@@ -1,0 +1,121 @@
+#include "engine/setup.h"
+
+#include "core/error.h"
+#include "core/log.h"
+#include "data/normalize.h"
+
+#include <fmt/ranges.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+
+namespace fs = std::filesystem;
+
+namespace imgtrain::engine {
+
+torch::Device resolve_device(const std::string& d) {
+  if (d == "auto") return torch::cuda::is_available() ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU);
+  if (d == "cpu") return torch::kCPU;
+  if (!torch::cuda::is_available())
+    throw UserError(fmt::format("--device '{}': no CUDA device is available here (use --device cpu)", d));
+  int idx = d == "cuda" ? 0 : std::stoi(d.substr(5));
+  if (idx >= int(torch::cuda::device_count()))
+    throw UserError(fmt::format("--device '{}': only {} CUDA device(s) present", d, torch::cuda::device_count()));
+  return torch::Device(torch::kCUDA, c10::DeviceIndex(idx));
+}
+
+Amp resolve_amp(bool amp, const std::string& amp_dtype, const std::string& opt_level) {
+  Amp a;
+  a.o2 = opt_level == "O2";
+  a.enabled = opt_level == "O1" || (amp && opt_level != "O0" && !a.o2);
+  a.dtype = amp_dtype == "bfloat16" ? at::kBFloat16 : at::kHalf;
+  return a;
+}
+
+void to_channels_last(torch::nn::Module& m) {
+  torch::NoGradGuard ng;
+  for (auto& p : m.parameters())
+    if (p.dim() == 4) p.set_data(p.contiguous(at::MemoryFormat::ChannelsLast));
+}
+
+void apply_bn_args(torch::nn::Module& m, std::optional<double> momentum, std::optional<double> eps) {
+  if (!momentum && !eps) return;
+  for (auto& mod : m.modules(/*include_self=*/false))
+    if (auto* bn = mod->as<torch::nn::BatchNorm2dImpl>()) {
+      if (momentum) bn->options.momentum(*momentum);
+      if (eps) bn->options.eps(*eps);
+    }
+}
+
+std::shared_ptr<dist::Context> join_process_group(const std::string& backend, int64_t timeout_s,
+                                                  torch::Device& device) {
+  const auto denv = dist::read_env();
+  log::set_rank(int(denv.rank));
+  if (!denv.distributed()) return nullptr;
+  if (device.is_cuda()) {  // one device per process: the local rank's
+    if (denv.local_rank >= int64_t(torch::cuda::device_count()))
+      throw UserError(fmt::format("LOCAL_RANK {}: only {} CUDA device(s) on this host", denv.local_rank,
+                                  torch::cuda::device_count()));
+    device = torch::Device(torch::kCUDA, c10::DeviceIndex(denv.local_rank));
+  }
+  dist::InitOptions io;
+  io.backend = backend;
+  io.timeout = std::chrono::seconds(timeout_s);
+  io.device = device;
+  return dist::Context::init(denv, io);
+}
+
+DataConfig resolve_data_config(const DataOverrides& o, const ModelDefaults& d) {
+  DataConfig dc;
+  dc.in_chans = o.in_chans.value_or(3);
+  dc.img_size = o.img_size.value_or(d.input_size[2]);
+  dc.crop_pct = o.crop_pct.value_or(d.crop_pct);
+  dc.interpolation = o.interpolation.empty() ? d.interpolation : o.interpolation;
+  if (dc.in_chans == 3) {
+    dc.mean.assign(d.mean.begin(), d.mean.end());
+    dc.std.assign(d.std.begin(), d.std.end());
+  } else {
+    // Single-channel (and other) inputs: the average of the RGB statistics for every channel.
+    double m = (d.mean[0] + d.mean[1] + d.mean[2]) / 3, s = (d.std[0] + d.std[1] + d.std[2]) / 3;
+    dc.mean.assign(size_t(dc.in_chans), m);
+    dc.std.assign(size_t(dc.in_chans), s);
+  }
+  return dc;
+}
+
+at::Tensor model_input(const at::Tensor& nhwc_u8, torch::Device dev, const std::vector<double>& mean,
+                       const std::vector<double>& std, bool channels_last) {
+  auto x = data::normalize_nhwc_u8(nhwc_u8.to(dev, /*non_blocking=*/true), mean, std);
+  return channels_last ? x.contiguous(at::MemoryFormat::ChannelsLast) : x;
+}
+
+void require_file(const std::string& path, const char* flag) {
+  std::error_code ec;
+  if (!path.empty() && !fs::is_regular_file(path, ec))
+    throw UserError(fmt::format("{} '{}': cannot open the file", flag, path));
+}
+
+double round_to(double v, int digits) {
+  const double s = std::pow(10.0, digits);
+  return std::nearbyint(v * s) / s;
+}
+
+void write_results(const std::string& path, const std::string& format, const nlohmann::ordered_json& row) {
+  if (path.empty()) return;
+  std::ofstream f(path);
+  if (format == "json") {
+    f << row.dump(4) << "\n";
+  } else {
+    std::vector<std::string> head, vals;
+    for (auto& [k, v] : row.items()) {
+      head.push_back(k);
+      vals.push_back(v.is_string() ? v.get<std::string>() : v.dump());
+    }
+    f << fmt::format("{}\n{}\n", fmt::join(head, ","), fmt::join(vals, ","));
+  }
+  if (!f) throw UserError(fmt::format("--results-file '{}': cannot write", path));
+}
+
+}  // namespace imgtrain::engine

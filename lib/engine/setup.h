@@ -1,0 +1,68 @@
+// Setting a run up, the parts every task and command share: the device, mixed precision,
+// BatchNorm arguments, channels-last, the process group, the input's data config (timm's
+// resolve_data_config) and small helpers for results. Plain arguments: no CLI types here.
+#pragma once
+#include "core/model.h"
+#include "dist/dist.h"
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <nlohmann/json.hpp>
+#include <torch/nn/module.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace imgtrain::engine {
+
+// --device auto|cpu|cuda|cuda:N, checked against what this machine has.
+torch::Device resolve_device(const std::string& device);
+
+struct Amp {
+  bool enabled = false;  // autocast (O1)
+  bool o2 = false;       // apex O2: half weights, float32 masters (MasterWeights)
+  at::ScalarType dtype = at::kHalf;
+};
+// --amp / --amp-dtype (float16|bfloat16) / --amp-opt-level ('', O0, O1, O2).
+Amp resolve_amp(bool amp, const std::string& amp_dtype, const std::string& opt_level);
+
+// --channels-last: 4-D weights to NHWC memory layout (inputs follow in the training loop).
+void to_channels_last(torch::nn::Module& m);
+// timm's --bn-momentum / --bn-eps, applied to every BatchNorm of any model.
+void apply_bn_args(torch::nn::Module& m, std::optional<double> momentum, std::optional<double> eps);
+
+// Joins the job's process group when a launcher started this process (torchrun's / SLURM's
+// variables), moving `device` to cuda:LOCAL_RANK; null for a single process. Sets the log rank.
+std::shared_ptr<dist::Context> join_process_group(const std::string& backend, int64_t timeout_s,
+                                                  torch::Device& device);
+
+// What the model's default config and the flags decide about inputs (timm resolve_data_config).
+struct DataConfig {
+  int64_t in_chans = 3;
+  int64_t img_size = 224;
+  double crop_pct = 0.875;
+  std::string interpolation = "bilinear";
+  std::vector<double> mean, std;
+};
+struct DataOverrides {  // the flags; unset = the model's default
+  std::optional<int64_t> in_chans, img_size;
+  std::optional<double> crop_pct;
+  std::string interpolation;
+};
+DataConfig resolve_data_config(const DataOverrides& o, const ModelDefaults& d);
+
+// timm's prefetcher step: a uint8 NHWC batch -> the model's float input on `dev` (normalised,
+// channels-last when asked). The one place that does it.
+at::Tensor model_input(const at::Tensor& nhwc_u8, torch::Device dev, const std::vector<double>& mean,
+                       const std::vector<double>& std, bool channels_last);
+
+// UserError "<flag> '<path>': cannot open the file" unless `path` is empty or a regular file.
+void require_file(const std::string& path, const char* flag);
+// Python's round(v, digits), as timm rounds its result rows.
+double round_to(double v, int digits);
+// --results-file: one result row as csv (header + values) or json; nothing when `path` is empty.
+void write_results(const std::string& path, const std::string& format, const nlohmann::ordered_json& row);
+
+}  // namespace imgtrain::engine

@@ -1,0 +1,66 @@
+// `imgtrain validate`: timm's validate.py for one checkpoint (or pretrained weights) over one split.
+#include "cli/config.h"
+#include "core/error.h"
+#include "core/log.h"
+#include "engine/checkpoint.h"
+#include "engine/commands.h"
+#include "engine/evaluate.h"
+#include "engine/setup.h"
+#include "model_zoo/registry.h"
+#include "tasks/tasks.h"
+
+#include <torch/torch.h>
+
+#include <cstdio>
+
+namespace imgtrain::engine {
+
+int validate(const cli::Config& cfg) {
+  if (cfg.checkpoint.empty() && !cfg.pretrained && cfg.pretrained_path.empty())
+    throw UserError("validate needs --checkpoint FILE, --pretrained or --pretrained-path FILE");
+  require_file(cfg.checkpoint, "--checkpoint");
+  require_file(cfg.pretrained_path, "--pretrained-path");
+  const auto device = resolve_device(cfg.device);
+  std::optional<Checkpoint> ck;
+  if (!cfg.checkpoint.empty()) ck = Checkpoint::read(cfg.checkpoint);
+  auto setup = tasks::create_validate_task(cfg, ck ? &ck->meta() : nullptr);
+  Task& task = *setup.task;
+  auto model = task.create_model();
+  if (ck)
+    ck->load_weights(*model, cfg.use_ema);
+  else
+    task.load_pretrained(*model);
+  model->to(device);
+  if (cfg.channels_last) to_channels_last(*model);
+  const int64_t params = model_zoo::count_params(*model);
+  log::info("Model {} created, param count: {}", setup.model_meta.arch, params);
+
+  data::LoaderOptions lo;
+  lo.batch_size = cfg.batch_size;
+  lo.workers = cfg.workers;
+  lo.pin_memory = cfg.pin_mem && device.is_cuda();
+  data::Loader loader(setup.eval, setup.eval_transform, lo);
+  EvalOptions eo;
+  eo.device = device;
+  eo.mean = setup.data.mean;
+  eo.std = setup.data.std;
+  eo.channels_last = cfg.channels_last;
+  eo.amp = resolve_amp(cfg.amp, cfg.amp_dtype, cfg.amp_opt_level);
+  eo.log_interval = cfg.log_interval;
+  eo.validate_style = true;
+  const auto res = evaluate(task, *model, loader, eo);
+  log::info("{}", res.summary_line);
+
+  nlohmann::ordered_json r;
+  r["model"] = setup.model_meta.arch;
+  for (auto& [k, v] : res.result_fields) r[k] = v;
+  r["param_count"] = round_to(double(params) / 1e6, 2);
+  r["img_size"] = setup.data.img_size;
+  r["crop_pct"] = setup.data.crop_pct;
+  r["interpolation"] = setup.data.interpolation;
+  std::printf("--result\n%s\n", r.dump(4).c_str());
+  write_results(cfg.results_file, cfg.results_format, r);
+  return 0;
+}
+
+}  // namespace imgtrain::engine

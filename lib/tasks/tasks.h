@@ -1,0 +1,36 @@
+// Picks and sets up the task for a run from the command's config: the model's registry entry
+// names its task; the task's datasets, transforms and data config come with it. The one place
+// that maps flags to a task's options.
+#pragma once
+#include "data/dataset.h"
+#include "data/transforms.h"
+#include "engine/checkpoint.h"
+#include "engine/setup.h"
+#include "engine/task.h"
+
+#include <memory>
+
+namespace imgtrain::cli {
+struct Config;
+}
+
+namespace imgtrain::tasks {
+
+struct TaskSetup {
+  std::unique_ptr<engine::Task> task;
+  std::shared_ptr<data::Dataset> train, eval;
+  data::TransformConfig train_transform, eval_transform;
+  engine::DataConfig data;
+  engine::CheckpointMeta model_meta;  // the model part of what checkpoints record
+};
+
+// For `imgtrain train`: datasets checked against the flags (class counts, batch sizes) before any
+// model is built, so that user errors stay one line.
+TaskSetup create_train_task(const cli::Config& cfg, int64_t rank, int64_t world);
+
+// For `imgtrain validate`: the model described by the flags, completed from the checkpoint's
+// metadata (`meta`, null without --checkpoint) as timm's validate.py does from its arguments;
+// only the evaluation split and transform are set.
+TaskSetup create_validate_task(const cli::Config& cfg, const engine::CheckpointMeta* meta);
+
+}  // namespace imgtrain::tasks

@@ -1,0 +1,238 @@
+// The engine's seam: a task that is not classification trains through the one loop, and the
+// checkpoint format's owner round-trips every field.
+#include "core/error.h"
+#include "engine/checkpoint.h"
+#include "engine/evaluate.h"
+#include "engine/train_loop.h"
+#include "io/weights.h"
+#include "optim/optim.h"
+#include "test_util.h"
+
+#include <catch2/catch.hpp>
+#include <torch/torch.h>
+
+using namespace imgtrain;
+
+namespace {
+
+// Images whose brightness is the regression target: sample i is a flat grey of level 8 * i.
+struct Greys : data::Dataset {
+  size_t size() const override { return 32; }
+  int64_t label(size_t) const override { return 0; }
+  cv::Mat image(size_t i) const override { return cv::Mat(4, 4, CV_8UC3, cv::Scalar::all(double(8 * i))); }
+  std::string describe(size_t i) const override { return std::to_string(i); }
+  int64_t num_classes() const override { return 1; }
+  std::vector<std::string> class_names() const override { return {"grey"}; }
+};
+
+// A plain module (not a classifier): one linear unit on the pooled input, plus a BatchNorm so that
+// the EMA has buffers to copy.
+struct RegressorImpl : torch::nn::Module {
+  torch::nn::BatchNorm2d bn{nullptr};
+  torch::nn::Linear fc{nullptr};
+  RegressorImpl() {
+    bn = register_module("bn", torch::nn::BatchNorm2d(3));
+    fc = register_module("fc", torch::nn::Linear(3, 1));
+  }
+  at::Tensor forward(const at::Tensor& x) { return fc(bn(x).mean({2, 3}) + x.mean({2, 3})).squeeze(1); }
+};
+
+// Mean squared error against each image's own brightness (in normalised units): a loss dict of
+// one part, and an evaluator reporting "mse".
+struct BrightnessTask : engine::Task {
+  int64_t epochs_started = 0;
+  std::string name() const override { return "brightness"; }
+  std::shared_ptr<torch::nn::Module> create_model() const override { return std::make_shared<RegressorImpl>(); }
+  void start_epoch(int64_t) override { ++epochs_started; }
+  static at::Tensor target(const data::Batch& b, const at::Tensor& x) {
+    return b.indices.to(x.device(), at::kFloat) * (8.0 / 255.0);
+  }
+  engine::StepOutput forward_train(torch::nn::Module& m, at::Tensor x, const data::Batch& b,
+                                   const engine::StepContext&) override {
+    auto pred = m.as<RegressorImpl>()->forward(x);
+    auto loss = (pred - target(b, x)).pow(2).mean();
+    return {loss, {{"loss_mse", loss}}};
+  }
+  engine::EvalOutputs forward_eval(torch::nn::Module& m, const at::Tensor& x, const data::Batch& b,
+                                   const engine::StepContext&) override {
+    return {{{"err2", (m.as<RegressorImpl>()->forward(x) - target(b, x)).pow(2)}}};
+  }
+  struct Mse : engine::Evaluator {
+    double sum = 0;
+    int64_t n = 0;
+    void update(const engine::EvalOutputs& out, const data::Batch&) override {
+      sum += out.at("err2").sum().item<double>();
+      n += out.at("err2").numel();
+    }
+    engine::NamedValues summarize() const override { return {{"mse", sum / double(n)}}; }
+    std::string progress(bool) const override { return fmt::format("MSE: {:.4f}", sum / double(n)); }
+    int64_t count() const override { return n; }
+    std::string summary_line() const override { return progress(true); }
+    engine::NamedValues result_fields() const override { return summarize(); }
+  };
+  std::unique_ptr<engine::Evaluator> evaluator(dist::Context*) const override { return std::make_unique<Mse>(); }
+  std::vector<std::string> metric_names() const override { return {"mse"}; }
+};
+
+}  // namespace
+
+TEST_CASE("a task that is not classification trains through the loop with accumulation, EMA and a scaler",
+          "[engine][task]") {
+  torch::manual_seed(3);
+  BrightnessTask task;
+  auto model = task.create_model();
+  data::TransformConfig tc;
+  tc.size = 4;
+  tc.crop_pct = 1.0;
+  data::LoaderOptions lo;
+  lo.batch_size = 4;
+  lo.shuffle = true;
+  lo.drop_last = true;
+  lo.workers = 0;
+  data::Loader train(std::make_shared<Greys>(), tc, lo);
+  lo.shuffle = false;
+  data::Loader eval(std::make_shared<Greys>(), tc, lo);
+  optim::OptimizerArgs oa;
+  oa.opt = "momentum";
+  oa.lr = 0.05;
+  std::vector<std::pair<std::string, at::Tensor>> named;
+  for (auto& p : model->named_parameters()) named.emplace_back(p.key(), p.value());
+  auto opt = optim::create_optimizer(oa, named);
+  engine::LossScaler scaler(1024.0, true, torch::kCPU, 2.0, 0.5, /*interval=*/4);
+  engine::ModelEma ema(task.create_model(), *model, 0.5, false, torch::kCPU);
+  engine::LoopOptions o;
+  o.accum_steps = 2;
+  o.log_interval = 1000;
+  o.mean = {0.5, 0.5, 0.5};
+  o.std = {0.25, 0.25, 0.25};
+  o.scaler = &scaler;
+  engine::EvalOptions eo;
+  eo.mean = o.mean;
+  eo.std = o.std;
+  eo.log_interval = 1000;
+  const double mse0 = engine::evaluate(task, *model, eval, eo).get("mse");
+  const auto w0 = io::state_dict(*model)[0].second.clone();
+  int64_t updates = 0;
+  double first_loss = 0, last_loss = 0;
+  for (int64_t e = 0; e < 6; ++e) {
+    o.epoch = e;
+    auto res = engine::train_one_epoch(task, *model, train, *opt, &ema, updates, o);
+    CHECK(res.skipped_steps == 0);
+    CHECK(std::isfinite(res.loss));
+    (e == 0 ? first_loss : last_loss) = res.loss;
+  }
+  CHECK(task.epochs_started == 6);
+  CHECK(updates == 6 * (32 / 4) / 2);  // 8 micro-batches per epoch, 4 updates
+  CHECK(scaler.value() == 1024.0 * 64);  // grew once every 4 finite updates: 24 updates
+  CHECK(last_loss < 0.5 * first_loss);
+  const auto res = engine::evaluate(task, *model, eval, eo);
+  CHECK(res.count == 32);
+  CHECK(res.metrics.size() == 1);
+  CHECK(res.get("mse") < 0.5 * mse0);
+  // The EMA followed the model: it moved from the start, and is not the model itself.
+  auto ema_w = io::state_dict(ema.module())[0].second;
+  CHECK_FALSE(torch::equal(ema_w, w0));
+  CHECK_FALSE(torch::equal(ema_w, io::state_dict(*model)[0].second));
+  // and its BatchNorm buffers were copied from the model
+  auto mb = io::state_dict(*model), eb = io::state_dict(ema.module());
+  for (size_t i = 0; i < mb.size(); ++i)
+    if (mb[i].first == "bn.num_batches_tracked") CHECK(torch::equal(mb[i].second, eb[i].second));
+}
+
+TEST_CASE("the checkpoint format round-trips every field and tensor", "[engine][checkpoint]") {
+  test::TempDir d("ckpt");
+  torch::manual_seed(1);
+  auto model = std::make_shared<RegressorImpl>();
+  auto ema = std::make_shared<RegressorImpl>();
+  engine::CheckpointMeta m;
+  m.arch = "regressor";
+  m.task = "brightness";
+  m.num_classes = 1;
+  m.in_chans = 3;
+  m.img_size = 4;
+  m.global_pool = "";
+  m.crop_pct = 0.95;
+  m.epoch = 7;
+  m.num_updates = 123;
+  m.recovery_update = 5;
+  m.metric = 0.1 + 0.2;  // not exactly representable: the text must keep every bit
+  m.best_metric = 1.0 / 3.0;
+  m.best_epoch = 6;
+  m.plateau = "0.01 0.5 2";
+  m.args = "model: regressor\n";
+  engine::TrainStateRefs s;
+  s.model = model.get();
+  s.ema = ema.get();
+  s.optim = {{"0.momentum_buffer", torch::randn({2, 3})}};
+  s.master = {{"fc.weight", torch::randn({1, 3})}};
+  s.scaler = {{"scale", torch::tensor(1024.0)}};
+  s.rng_cpu = at::detail::getDefaultCPUGenerator().get_state();
+  const std::string path = d / "a.safetensors";
+  engine::write_checkpoint(path, m, s);
+
+  const auto ck = engine::Checkpoint::read(path);
+  const auto& r = ck.meta();
+  CHECK(r.arch == m.arch);
+  CHECK(r.task == m.task);
+  CHECK(r.num_classes == m.num_classes);
+  CHECK(r.in_chans == m.in_chans);
+  CHECK(r.img_size == m.img_size);
+  CHECK(r.global_pool == m.global_pool);
+  CHECK(r.crop_pct == m.crop_pct);
+  CHECK(r.epoch == m.epoch);
+  CHECK(r.num_updates == m.num_updates);
+  CHECK(r.recovery_update == m.recovery_update);
+  CHECK(r.metric == m.metric);
+  CHECK(r.best_metric == m.best_metric);
+  CHECK(r.best_epoch == m.best_epoch);
+  CHECK(r.plateau == m.plateau);
+  CHECK(r.args == m.args);
+  CHECK(r.is_training());
+  CHECK(engine::Checkpoint::read_meta(path).to_metadata() == m.to_metadata());
+  // Tensors: the weights load into fresh modules and equal the originals.
+  auto back = std::make_shared<RegressorImpl>(), back_ema = std::make_shared<RegressorImpl>();
+  ck.load_prefixed(*back, "model.");
+  ck.load_weights(*back_ema, /*prefer_ema=*/true);
+  CHECK(ck.has_ema());
+  for (auto [a, b] : {std::pair{model, back}, {ema, back_ema}}) {
+    auto x = io::state_dict(*a), y = io::state_dict(*b);
+    REQUIRE(x.size() == y.size());
+    for (size_t i = 0; i < x.size(); ++i) {
+      INFO(x[i].first);
+      CHECK(torch::equal(x[i].second, y[i].second));
+    }
+  }
+  CHECK(torch::equal(ck.section("optim.").at("0.momentum_buffer"), s.optim[0].second));
+  CHECK(torch::equal(*ck.find("master.fc.weight"), s.master[0].second));
+  CHECK(ck.section("scaler.").at("scale").item<double>() == 1024.0);
+  CHECK(torch::equal(*ck.find("rng.cpu"), s.rng_cpu));
+  CHECK_NOTHROW(ck.require_training("--resume", "regressor"));
+  CHECK_THROWS_WITH(ck.require_training("--resume", "resnet18"), Catch::Contains("checkpoint is a regressor"));
+
+  // A plain weights file is not a training checkpoint; a malformed field is a one-line error.
+  io::save_safetensors(d / "plain.safetensors", io::state_dict(*model));
+  const auto plain = engine::Checkpoint::read(d / "plain.safetensors");
+  CHECK_FALSE(plain.meta().is_training());
+  CHECK(plain.weights_prefix(true).empty());
+  CHECK_THROWS_WITH(plain.require_training("--resume", "regressor"), Catch::Contains("no 'arch'"));
+  io::save_safetensors(d / "bad.safetensors", io::state_dict(*model), {{"epoch", "seven"}});
+  CHECK_THROWS_AS(engine::Checkpoint::read(d / "bad.safetensors"), UserError);
+
+  // --resume auto: the most updates wins; at a tie the end-of-epoch file beats the recovery one;
+  // unreadable files and plain weights are passed over.
+  test::TempDir run("run");
+  CHECK(engine::find_latest_checkpoint(run.path.string()) == "");
+  auto at = [&](const std::string& name, int64_t updates, bool recovery) {
+    engine::CheckpointMeta k = m;
+    k.num_updates = updates;
+    k.recovery_update = recovery ? std::optional<int64_t>(3) : std::nullopt;
+    engine::write_checkpoint(run / name, k, {});
+  };
+  test::write_file(run / "broken.safetensors", "not a safetensors file");
+  io::save_safetensors(run / "weights.safetensors", io::state_dict(*model));
+  at("recovery-1-3.safetensors", 40, true);
+  at("checkpoint-0.safetensors", 30, false);
+  CHECK(engine::find_latest_checkpoint(run.path.string()) == run / "recovery-1-3.safetensors");
+  at("last.safetensors", 40, false);
+  CHECK(engine::find_latest_checkpoint(run.path.string()) == run / "last.safetensors");
+}
