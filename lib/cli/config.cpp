@@ -557,6 +557,20 @@ std::optional<Config> parse(Command cmd, const std::vector<std::string>& in_args
   return c;
 }
 
+void check_flags_for_task(const Config& c, const std::string& task, const std::string& model) {
+  // What only the classification task reads: its losses, batch mixing and image-level augmentations.
+  static const char* const classification_only[] = {
+      "smoothing",  "bce-loss",    "bce-target-thresh", "bce-sum",        "mixup",      "cutmix",
+      "cutmix-minmax", "mixup-prob", "mixup-switch-prob", "mixup-mode", "mixup-off-epoch", "aa",
+      "color-jitter", "reprob",     "remode",            "recount",        "scale",      "ratio",
+      "vflip",      "train-interpolation", "crop-pct",  "gp",             "drop",       "aug-repeats"};
+  if (task == "classification") return;
+  for (const char* f : classification_only)
+    if (c.was_given(f))
+      throw UserError(fmt::format("--{} applies to classification models only; --model {} is a {} model", f, model,
+                                  task));
+}
+
 std::string to_yaml(Command cmd, const Config& c) {
   const unsigned bit = command_bit(cmd);
   YAML::Emitter out;

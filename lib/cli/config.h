@@ -148,6 +148,10 @@ enum class Command { Train, Validate, Benchmark };
 // (the help text has been printed). Throws UserError on any bad input.
 std::optional<Config> parse(Command cmd, const std::vector<std::string>& args);
 
+// Flags that belong to one task (mixup, label smoothing, RandAugment, ... are classification's):
+// UserError when one was given for a model of another `task` ("detection").
+void check_flags_for_task(const Config& c, const std::string& task, const std::string& model);
+
 // timm's args.yaml: every flag of `cmd` as `key: value`, readable back with -c.
 std::string to_yaml(Command cmd, const Config& c);
 

@@ -145,6 +145,7 @@ TaskSetup create_validate_task(const cli::Config& cfg, const engine::CheckpointM
 
 TaskSetup create_train_task(const cli::Config& cfg, int64_t rank, int64_t world) {
   const std::string task = model_zoo::model_task(cfg.model);
+  cli::check_flags_for_task(cfg, task, cfg.model);
   if (task == "classification") return classification_setup(cfg, rank, world);
   throw UserError(fmt::format("--model {}: a {} model; imgtrain trains only classification models so far", cfg.model,
                               task));

@@ -254,3 +254,16 @@ TEST_CASE("flags that would have no effect are refused by name, from the command
   test::write_file(d / "other.yaml", "nnodes: 2\n");
   CHECK_THAT(error_of({"-c", d / "other.yaml"}), Catch::Contains("--nnodes has no effect"));
 }
+
+TEST_CASE("flags carry the task they apply to", "[cli]") {
+  using imgtrain::cli::check_flags_for_task;
+  CHECK_THROWS_WITH(check_flags_for_task(train({"--mixup", "0.2"}), "detection", "maskrcnn_resnet50_fpn"),
+                    Catch::Equals("--mixup applies to classification models only; --model maskrcnn_resnet50_fpn is a "
+                                  "detection model"));
+  CHECK_THROWS_WITH(check_flags_for_task(train({"--aa", "rand-m9-mstd0.5"}), "detection", "m"), Catch::Contains("--aa"));
+  CHECK_THROWS_WITH(check_flags_for_task(train({"--smoothing", "0.1"}), "detection", "m"),
+                    Catch::Contains("--smoothing"));  // given, even at its default value
+  CHECK_NOTHROW(check_flags_for_task(train({"--mixup", "0.2", "--aa", "rand-m9"}), "classification", "resnet50"));
+  CHECK_NOTHROW(check_flags_for_task(train({"--lr", "0.02", "--epochs", "26", "--amp"}), "detection", "m"));
+  CHECK_NOTHROW(check_flags_for_task(train({}), "detection", "m"));
+}
