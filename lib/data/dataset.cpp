@@ -272,18 +272,21 @@ const char* image_format(const std::string& b) {
 }
 
 // A PNG without its iCCP chunks: the colour profile is not applied (as PIL's convert('RGB')), and
-// libpng would print warnings about some common profiles straight to stderr.
-std::string png_without_iccp(const std::string& b) {
+// libpng would print warnings about some common profiles straight to stderr. A chunk list cut
+// short (or without IEND) is reported here, before libpng prints its own error to stderr.
+std::string png_without_iccp(const std::string& b, const std::string& what) {
   std::string out = b.substr(0, 8);
   size_t p = 8;
-  while (p + 12 <= b.size()) {
+  bool end = false;
+  while (!end) {
+    if (p + 12 > b.size()) throw DecodeError(fmt::format("cannot decode '{}': truncated PNG", what));
     const auto* u = reinterpret_cast<const unsigned char*>(b.data() + p);
     const size_t len = (size_t(u[0]) << 24) | (size_t(u[1]) << 16) | (size_t(u[2]) << 8) | size_t(u[3]);
-    if (len > b.size() - p - 12) break;  // truncated: leave the rest to the decoder
+    if (len > b.size() - p - 12) throw DecodeError(fmt::format("cannot decode '{}': truncated PNG", what));
+    end = b.compare(p + 4, 4, "IEND") == 0;
     if (b.compare(p + 4, 4, "iCCP") != 0) out.append(b, p, len + 12);
     p += len + 12;
   }
-  out.append(b, p, std::string::npos);
   return out;
 }
 }  // namespace
@@ -294,7 +297,7 @@ cv::Mat decode_image(const std::string& bytes, const std::string& what) {
   if (is_jpeg(bytes)) return decode_jpeg(bytes, 1, what);
   const std::string format = image_format(bytes);
 #ifdef IMGTRAIN_WITH_IMGCODECS
-  const std::string data = format == "PNG" ? png_without_iccp(bytes) : std::string();
+  const std::string data = format == "PNG" ? png_without_iccp(bytes, what) : std::string();
   const std::string& src = format == "PNG" ? data : bytes;
   cv::Mat raw;
   try {

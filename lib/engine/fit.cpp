@@ -356,6 +356,12 @@ int train(const cli::Config& cfg) {
     throw UserError("--resume auto finds the run's folder from --experiment; give --experiment NAME");
   require_file(cfg.pretrained_path, "--pretrained-path");
   require_file(cfg.initial_checkpoint, "--initial-checkpoint");
+  if (!cfg.resume.empty() && cfg.resume != "auto") {  // before any progress line: the error stays one line
+    const auto meta = Checkpoint::read_meta(cfg.resume);
+    if (!meta.arch.empty() && meta.arch != cfg.model)
+      throw UserError(fmt::format("--resume '{}': checkpoint is a {}, but --model is {}", cfg.resume, meta.arch,
+                                  cfg.model));
+  }
   dist::install_stop_handlers();
   auto device = resolve_device(cfg.device);
   auto ctx = join_process_group(cfg.dist_backend, cfg.dist_timeout, device);

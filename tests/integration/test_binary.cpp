@@ -128,6 +128,10 @@ TEST_CASE("trains far above chance, validates, resumes at the next epoch, loads 
   expect_user_error(test::run(kBin + " export --checkpoint " + run + "/last.safetensors --use-ema --out " +
                               (out / "e.safetensors")),
                     "no EMA weights");
+  // Resuming a checkpoint of another architecture: one line, before any progress line.
+  expect_user_error(test::run(kBin + " train --device cpu --model resnet34 --data-dir " + data + " --resume " + run +
+                              "/last.safetensors"),
+                    "checkpoint is a resnet18, but --model is resnet34");
 }
 
 TEST_CASE("pretrained timm weights are found in the offline hub cache and adapted", "[integration]") {
