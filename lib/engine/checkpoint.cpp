@@ -57,27 +57,24 @@ CheckpointMeta CheckpointMeta::from_metadata(const std::map<std::string, std::st
   auto bad = [&](const char* k, const std::string& v, const char* expected) {
     return UserError(fmt::format("'{}': metadata '{}' is '{}', expected {}", what, k, v, expected));
   };
-  auto get_int = [&](const char* k) -> std::optional<int64_t> {
+  // A number written by to_metadata: the whole string must parse.
+  auto get_number = [&]<typename T>(const char* k, T (*parse)(const std::string&, size_t*),
+                                    const char* expected) -> std::optional<T> {
     auto* s = get(k);
     if (!s) return std::nullopt;
     try {
       size_t used = 0;
-      int64_t v = std::stoll(*s, &used);
+      T v = parse(*s, &used);
       if (used == s->size()) return v;
     } catch (const std::exception&) {
     }
-    throw bad(k, *s, "an integer");
+    throw bad(k, *s, expected);
   };
-  auto get_double = [&](const char* k) -> std::optional<double> {
-    auto* s = get(k);
-    if (!s) return std::nullopt;
-    try {
-      size_t used = 0;
-      double v = std::stod(*s, &used);
-      if (used == s->size()) return v;
-    } catch (const std::exception&) {
-    }
-    throw bad(k, *s, "a number");
+  auto get_int = [&](const char* k) {
+    return get_number(k, +[](const std::string& s, size_t* n) -> int64_t { return std::stoll(s, n); }, "an integer");
+  };
+  auto get_double = [&](const char* k) {
+    return get_number(k, +[](const std::string& s, size_t* n) { return std::stod(s, n); }, "a number");
   };
   if (auto* s = get("arch")) m.arch = *s;
   if (auto* s = get("task")) m.task = *s;

@@ -1,6 +1,7 @@
 #include "engine/evaluate.h"
 
 #include "core/log.h"
+#include "core/meter.h"
 #include "engine/amp.h"
 
 #include <torch/torch.h>
@@ -23,8 +24,7 @@ EvalResult evaluate(Task& task, torch::nn::Module& model, data::Loader& loader, 
   auto evaluator = task.evaluator(o.dist);
   StepContext step;
   step.autocast = o.amp.enabled;
-  double time_val = 0, time_sum = 0;
-  int64_t time_n = 0;
+  AverageMeter batch_time;
   loader.start_epoch(0);
   const int64_t last_idx = int64_t(loader.num_batches()) - 1;
   auto end = Clock::now();
@@ -42,12 +42,10 @@ EvalResult evaluate(Task& task, torch::nn::Module& model, data::Loader& loader, 
       out = task.forward_eval(model, x, *b, step);
     }
     evaluator->update(out, *b);
-    time_val = std::chrono::duration<double>(Clock::now() - end).count();
-    time_sum += time_val;
-    ++time_n;
+    batch_time.update(std::chrono::duration<double>(Clock::now() - end).count());
     end = Clock::now();
     if (batch_idx == last_idx || batch_idx % o.log_interval == 0) {
-      const double time_avg = time_sum / double(time_n);
+      const double time_val = batch_time.val, time_avg = batch_time.avg();
       if (o.validate_style)
         log::info("Test: [{:>4d}/{}]  Time: {:.3f}s ({:.3f}s, {:>7.2f}/s)  {}", batch_idx, loader.num_batches(),
                   time_val, time_avg, double(x.size(0)) / std::max(time_avg, 1e-9), evaluator->progress(true));

@@ -125,12 +125,14 @@ struct ResumePoint {
   int64_t start_epoch = 0, start_update = 0;
   at::Tensor rng;  // restored last, after anything that draws
   std::string plateau;
+  std::optional<Checkpoint> checkpoint;  // kept for the EMA, which is created after the model's resume
 };
 
 ResumePoint resume(Run& r, const cli::Config& cfg, const std::string& path, CheckpointSaver& saver) {
   ResumePoint p;
   if (path.empty()) return p;
-  const auto ck = Checkpoint::read(path);
+  p.checkpoint = Checkpoint::read(path);
+  const Checkpoint& ck = *p.checkpoint;
   ck.require_training("--resume", cfg.model);
   ck.load_prefixed(*r.model, "model.");
   if (r.master) {  // the float32 masters as saved (the model's half weights are their rounding)
@@ -216,18 +218,16 @@ int fit(const cli::Config& cfg, torch::Device device, dist::Context* ctx) {
     if (resume_path.empty()) log::info("--resume auto: no checkpoint in '{}' yet; starting from scratch", run.dir());
   }
   CheckpointSaver saver(run.dir(), cfg.checkpoint_hist, /*decreasing=*/cfg.eval_metric == "loss");
-  const ResumePoint rp = resume(r, cfg, resume_path, saver);
+  ResumePoint rp = resume(r, cfg, resume_path, saver);
   int64_t start_epoch = rp.start_epoch;
   if (cfg.model_ema) {
     // Created after any resume of the model, as timm does, then given the checkpoint's EMA.
     r.ema = std::make_unique<ModelEma>(task.create_model(), *r.model, cfg.model_ema_decay, cfg.model_ema_warmup,
                                        cfg.model_ema_force_cpu ? torch::kCPU : device);
     if (cfg.channels_last) to_channels_last(r.ema->module());
-    if (!resume_path.empty()) {
-      const auto ck = Checkpoint::read(resume_path);
-      if (ck.has_ema()) ck.load_prefixed(r.ema->module(), "ema.");
-    }
+    if (rp.checkpoint && rp.checkpoint->has_ema()) rp.checkpoint->load_prefixed(r.ema->module(), "ema.");
   }
+  rp.checkpoint.reset();  // the tensors are copied; free the file's memory before training
   std::unique_ptr<dist::GradSync> grad_sync;  // created last, on the final parameters (as DDP)
   if (ctx) grad_sync = ctx->grad_sync(*r.model, cfg.bucket_cap_mb, !cfg.no_ddp_bb);
   if (cfg.start_epoch) start_epoch = *cfg.start_epoch;

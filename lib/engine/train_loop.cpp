@@ -2,6 +2,7 @@
 
 #include "core/error.h"
 #include "core/log.h"
+#include "core/meter.h"
 #include "dist/launcher.h"
 #include "engine/setup.h"
 
@@ -21,17 +22,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
-
-struct AverageMeter {
-  double val = 0, sum = 0;
-  int64_t count = 0;
-  void update(double v, int64_t n = 1) {
-    val = v;
-    sum += v * double(n);
-    count += n;
-  }
-  double avg() const { return count ? sum / double(count) : 0.0; }
-};
 
 }  // namespace
 

@@ -13,6 +13,20 @@ void check_labels(const data::Dataset& ds, int64_t num_classes, const std::strin
     throw UserError(fmt::format("--num-classes {}: the {} split has {} classes", num_classes, what, ds.num_classes()));
 }
 
+// What checkpoints record about a classification model (enough to rebuild it).
+engine::CheckpointMeta classification_meta(const std::string& arch, int64_t num_classes, const engine::DataConfig& dc,
+                                           const std::string& gp) {
+  engine::CheckpointMeta m;
+  m.arch = arch;
+  m.task = "classification";
+  m.num_classes = num_classes;
+  m.in_chans = dc.in_chans;
+  m.global_pool = gp;
+  m.img_size = dc.img_size;
+  m.crop_pct = dc.crop_pct;
+  return m;
+}
+
 TaskSetup classification_setup(const cli::Config& cfg, int64_t rank, int64_t world) {
   TaskSetup s;
   const auto& defaults = model_zoo::model_defaults(cfg.model);  // unknown model fails before data loading
@@ -76,14 +90,7 @@ TaskSetup classification_setup(const cli::Config& cfg, int64_t rank, int64_t wor
   s.eval_transform.crop_pct = dc.crop_pct;
   s.eval_transform.interpolation = dc.interpolation;
 
-  auto& m = s.model_meta;
-  m.arch = cfg.model;
-  m.task = "classification";
-  m.num_classes = num_classes;
-  m.in_chans = dc.in_chans;
-  m.global_pool = cfg.gp;
-  m.img_size = dc.img_size;
-  m.crop_pct = dc.crop_pct;
+  s.model_meta = classification_meta(cfg.model, num_classes, dc, cfg.gp);
   return s;
 }
 
@@ -123,12 +130,7 @@ TaskSetup classification_validate_setup(const cli::Config& cfg, const engine::Ch
   s.eval_transform.channels = int(dc.in_chans);
   s.eval_transform.crop_pct = dc.crop_pct;
   s.eval_transform.interpolation = dc.interpolation;
-  s.model_meta.arch = arch;
-  s.model_meta.num_classes = num_classes;
-  s.model_meta.in_chans = dc.in_chans;
-  s.model_meta.img_size = dc.img_size;
-  s.model_meta.crop_pct = dc.crop_pct;
-  s.model_meta.global_pool = gp;
+  s.model_meta = classification_meta(arch, num_classes, dc, gp);
   return s;
 }
 

@@ -2,6 +2,7 @@
 
 #include "core/error.h"
 #include "core/log.h"
+#include "core/meter.h"
 #include "core/rng.h"
 #include "dist/dist.h"
 #include "engine/setup.h"
@@ -37,17 +38,6 @@ at::Tensor random_erase(const at::Tensor& x, const at::Tensor& indices, const da
   }
   return host.permute({0, 3, 1, 2}).to(x.device()).contiguous(format);
 }
-
-struct AverageMeter {
-  double val = 0, sum = 0;
-  int64_t count = 0;
-  void update(double v, int64_t n) {
-    val = v;
-    sum += v * double(n);
-    count += n;
-  }
-  double avg() const { return count ? sum / double(count) : 0.0; }
-};
 
 class ClassificationEvaluator : public engine::Evaluator {
  public:
