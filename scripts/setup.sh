@@ -12,7 +12,7 @@ want_test=0
 debs=(build-essential cmake pkg-config ccache python3-venv
       libopencv-core-dev libopencv-imgproc-dev libopencv-imgcodecs-dev libturbojpeg0-dev libjpeg62-turbo-dev libgif-dev
       libyaml-cpp-dev libcxxopts-dev libfmt-dev nlohmann-json3-dev catch2 zlib1g-dev libgloo-dev
-      dataset-fashion-mnist)
+      iproute2 dataset-fashion-mnist)
 missing=()
 for p in "${debs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -6,6 +6,8 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -43,9 +45,9 @@ struct RunResult {
   std::string output;  // stdout and stderr together
 };
 
-// Runs `cmd` through the shell with stderr merged into stdout.
+// Runs `cmd` through the shell with stderr merged into stdout (of every command in it).
 inline RunResult run(const std::string& cmd) {
-  std::string full = cmd + " 2>&1";
+  std::string full = "{ " + cmd + "\n} 2>&1";
   FILE* p = popen(full.c_str(), "r");
   std::string out;
   char buf[4096];
@@ -53,6 +55,20 @@ inline RunResult run(const std::string& cmd) {
   while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
   int status = pclose(p);
   return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+}
+
+// A TCP port on 127.0.0.1 that was free a moment ago (the kernel's pick for port 0).
+inline int free_port() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof a;
+  int port = 0;
+  if (fd >= 0 && bind(fd, (sockaddr*)&a, sizeof a) == 0 && getsockname(fd, (sockaddr*)&a, &len) == 0)
+    port = ntohs(a.sin_port);
+  if (fd >= 0) close(fd);
+  return port;
 }
 
 }  // namespace test

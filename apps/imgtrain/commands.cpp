@@ -27,6 +27,8 @@ std::optional<int> launch_workers(const cli::Config& cfg, const char* command, c
   lo.node_rank = cfg.node_rank;
   lo.master_addr = cfg.master_addr;
   lo.master_port = cfg.master_port;
+  lo.rdzv_id = cfg.rdzv_id;
+  lo.rdzv_timeout_s = cfg.rdzv_timeout;
   std::vector<std::string> argv{"imgtrain", command};
   argv.insert(argv.end(), args.begin(), args.end());
   return dist::launch(lo, argv);

@@ -191,14 +191,23 @@ const std::vector<Flag>& flags() {
       {"num-bench-iter", "", &Config::num_bench_iter, "Benchmark iterations", BENCH, {}, positive},
       {"channels-last", "", &Config::channels_last, "Channels-last (NHWC) memory layout for weights and inputs", ALL},
       // distributed
-      {"nproc-per-node", "", &Config::nproc_per_node,
+      {"nproc-per-node", "num-gpus", &Config::nproc_per_node,
        "Launch this many worker processes on this node (torchrun's contract; 0: run in this process)", TRAIN | BENCH, {},
        non_negative},
-      {"nnodes", "", &Config::nnodes, "Number of nodes (with --nproc-per-node)", TRAIN | BENCH, {}, positive},
-      {"node-rank", "", &Config::node_rank, "This node's index (with --nproc-per-node)", TRAIN | BENCH, {}, non_negative},
+      {"nnodes", "num-machines", &Config::nnodes, "Number of nodes (with --nproc-per-node)", TRAIN | BENCH, {}, positive},
+      {"node-rank", "machine-rank", &Config::node_rank, "This node's index (with --nproc-per-node)", TRAIN | BENCH, {},
+       non_negative},
       {"master-addr", "", &Config::master_addr, "Address of node 0 (with --nproc-per-node)", TRAIN | BENCH},
       {"master-port", "", &Config::master_port, "Rendezvous port on node 0 (0: a free port, single node)", TRAIN | BENCH, {},
        non_negative},
+      {"dist-url", "", &Config::dist_url,
+       "Node 0's rendezvous as tcp://HOST:PORT (Detectron2's; sets --master-addr and --master-port; auto: a free port)",
+       TRAIN | BENCH},
+      {"rdzv-id", "", &Config::rdzv_id, "Job id every node gives (default: node 0's launcher picks one, the others read it)",
+       TRAIN | BENCH},
+      {"rdzv-timeout", "", &Config::rdzv_timeout,
+       "Seconds the nodes' launchers, and then the processes, wait for each other to join",
+       TRAIN | BENCH, {}, positive},
       {"dist-backend", "", &Config::dist_backend, "Collective backend (auto: nccl on CUDA, gloo on CPU)", TRAIN | BENCH,
        {"auto", "gloo", "nccl"}},
       {"dist-timeout", "", &Config::dist_timeout, "Seconds a collective may wait for its peers", TRAIN | BENCH, {}, positive},
@@ -440,10 +449,29 @@ void check_effective(Command cmd, const Config& c) {
     refuse({"data-dir", "dataset", "train-split", "workers", "scale", "ratio", "hflip", "train-interpolation"},
            fmt::format("with --bench {} (synthetic inputs; the data flags belong to --bench data)", c.bench));
   if (c.nproc_per_node == 0)
-    refuse({"nnodes", "node-rank", "master-addr", "master-port"},
+    refuse({"nnodes", "node-rank", "master-addr", "master-port", "dist-url", "rdzv-id"},
            "without --nproc-per-node N (under torchrun or SLURM the launcher sets them)");
   if (cmd == Command::Validate && !c.checkpoint.empty())
     refuse({"pretrained", "pretrained-path"}, "with --checkpoint (the checkpoint's weights are validated)");
+}
+
+// --dist-url tcp://HOST:PORT (Detectron2's launch) is --master-addr HOST --master-port PORT.
+void apply_dist_url(Config& c) {
+  if (c.was_given("master-addr") || c.was_given("master-port"))
+    throw UserError("--dist-url and --master-addr / --master-port name the same thing; give one of them");
+  const std::string& u = c.dist_url;
+  if (u == "auto") return;  // Detectron2: a free port on this machine (single node)
+  const std::string bad = fmt::format("--dist-url '{}': expected tcp://HOST:PORT or auto", u);
+  if (u.rfind("tcp://", 0) != 0) throw UserError(bad);
+  const std::string hp = u.substr(6);
+  const size_t colon = hp.rfind(':');
+  int64_t port = 0;
+  if (colon == std::string::npos || colon == 0 || !parse_int(hp.substr(colon + 1), port) || port < 1 || port > 65535)
+    throw UserError(bad);
+  std::string host = hp.substr(0, colon);
+  if (host.size() > 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);  // [v6]
+  c.master_addr = host;
+  c.master_port = port;
 }
 
 }  // namespace
@@ -547,6 +575,7 @@ std::optional<Config> parse(Command cmd, const std::vector<std::string>& in_args
     c.given.insert(f.name);
   }
   check_effective(cmd, c);
+  if (c.was_given("dist-url")) apply_dist_url(c);
   if (c.device != "auto" && c.device != "cpu" && c.device != "cuda" && c.device.rfind("cuda:", 0) != 0)
     throw UserError(fmt::format("--device '{}': expected auto, cpu, cuda or cuda:N", c.device));
   if (c.device.rfind("cuda:", 0) == 0) {

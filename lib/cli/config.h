@@ -127,6 +127,9 @@ struct Config {
   int64_t node_rank = 0;
   std::string master_addr = "127.0.0.1";
   int64_t master_port = 0;  // 0: a free port (single node)
+  std::string dist_url;     // Detectron2's --dist-url tcp://host:port (sets master_addr / master_port)
+  std::string rdzv_id;      // the job's id all nodes agree on ("": node 0's launcher picks one)
+  int64_t rdzv_timeout = 600;  // seconds the nodes' launchers wait for each other (torchrun's join timeout)
   std::string dist_backend = "auto";
   int64_t dist_timeout = 1800;  // seconds
   double bucket_cap_mb = 25.0;

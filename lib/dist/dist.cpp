@@ -27,6 +27,11 @@
 
 #include <fmt/ranges.h>
 
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <condition_variable>
 #include <cstdlib>
@@ -65,11 +70,38 @@ class CountingGroup : public c10d::ProcessGroup {
   }
 };
 
+// The local address the kernel routes to `host` by (a UDP connect sends nothing); "" if none.
+std::string local_address_towards(const std::string& host, int64_t port) {
+  addrinfo hints{}, *res = nullptr;
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_DGRAM;
+  if (getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res) != 0 || !res) return "";
+  std::string out;
+  for (addrinfo* a = res; a && out.empty(); a = a->ai_next) {
+    const int fd = socket(a->ai_family, a->ai_socktype, 0);
+    if (fd < 0) continue;
+    sockaddr_storage local{};
+    socklen_t len = sizeof local;
+    char buf[INET6_ADDRSTRLEN] = {0};
+    if (connect(fd, a->ai_addr, a->ai_addrlen) == 0 && getsockname(fd, (sockaddr*)&local, &len) == 0) {
+      const void* addr = local.ss_family == AF_INET ? (const void*)&((sockaddr_in*)&local)->sin_addr
+                                                    : (const void*)&((sockaddr_in6*)&local)->sin6_addr;
+      if (inet_ntop(local.ss_family, addr, buf, sizeof buf)) out = buf;
+    }
+    close(fd);
+  }
+  freeaddrinfo(res);
+  return out;
+}
+
+// Gloo's interface: GLOO_SOCKET_IFNAME when set (as torch), else the address that routes to the
+// master, which on a host with several interfaces is the one its peers can reach (the hostname's
+// address, Gloo's default, may be another network's or 127.0.1.1).
 std::shared_ptr<::gloo::transport::Device> gloo_device(const DistEnv& env) {
   if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname && *ifname)
     return c10d::ProcessGroupGloo::createDeviceForInterface(ifname);
-  if (env.master_addr == "127.0.0.1" || env.master_addr == "localhost")
-    return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
+  const std::string local = local_address_towards(env.master_addr, env.master_port);
+  if (!local.empty()) return c10d::ProcessGroupGloo::createDeviceForHostname(local);
   return c10d::ProcessGroupGloo::createDefaultDevice();
 }
 
@@ -241,6 +273,7 @@ class C10dContext : public Context {
     }
     store_ = c10::make_intrusive<c10d::PrefixStore>(store_prefix(env), base);
     server_ = so.isServer ? base : c10::intrusive_ptr<c10d::Store>();
+    wait_for_ranks(o.join_timeout);
     start_heartbeat();
     pg_ = c10::make_intrusive<CountingGroup>(store_, int(env.rank), int(env.world_size));
     if (backend_ == "gloo") {
@@ -357,6 +390,34 @@ class C10dContext : public Context {
   static std::string first_line(const std::string& s) {
     auto nl = s.find('\n');
     return nl == std::string::npos ? s : s.substr(0, nl);
+  }
+  // Every rank registers in the store and waits for the others, so that a rank that never comes
+  // (a task that failed to start, a node on another job's id) is named within the join timeout
+  // instead of leaving the group's own connect to wait --dist-timeout in silence.
+  void wait_for_ranks(std::chrono::seconds join_timeout) {
+    store_->set(fmt::format("joined/{}", env_.rank), "1");
+    const auto start = std::chrono::steady_clock::now();
+    bool said = false;
+    std::vector<std::string> keys;
+    for (int64_t r = 0; r < env_.world_size; ++r) keys.push_back(fmt::format("joined/{}", r));
+    while (true) {
+      std::vector<std::string> missing;
+      for (int64_t r = 0; r < env_.world_size; ++r)
+        if (!store_->check({keys[size_t(r)]})) missing.push_back(std::to_string(r));
+      if (missing.empty()) return;
+      const auto waited = std::chrono::steady_clock::now() - start;
+      if (waited > join_timeout)
+        throw UserError(fmt::format("rank {}: rank(s) {} of {} did not join at {}:{} (run {}) within {} s "
+                                    "(--rdzv-timeout)",
+                                    env_.rank, fmt::join(missing, ", "), env_.world_size, env_.master_addr,
+                                    env_.master_port, env_.run_id, join_timeout.count()));
+      if (!said && waited > std::chrono::seconds(5) && env_.rank == 0) {
+        log::info("Waiting for rank(s) {} of {} to join at {}:{} (up to {} s)", fmt::join(missing, ", "),
+                  env_.world_size, env_.master_addr, env_.master_port, join_timeout.count());
+        said = true;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
   }
   at::Tensor on_device(const at::Tensor& t) const {
     return backend_ == "nccl" && !t.is_cuda() ? t.to(device_) : t;

@@ -28,6 +28,7 @@ class PeerLost : public std::runtime_error {
 struct InitOptions {
   std::string backend = "auto";  // auto: nccl for CUDA devices, gloo otherwise
   std::chrono::seconds timeout{1800};
+  std::chrono::seconds join_timeout{600};  // for every rank to arrive (then one line naming the absent)
   c10::Device device = c10::kCPU;
 };
 

@@ -25,10 +25,14 @@ using GetEnv = std::function<const char*(const char*)>;
 
 // torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,
 // MASTER_PORT, TORCHELASTIC_*), else SLURM's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID,
-// SLURM_NTASKS_PER_NODE, SLURM_NODEID, with MASTER_ADDR / MASTER_PORT as timm requires), else a
+// SLURM_TASKS_PER_NODE, SLURM_NODEID; MASTER_ADDR / MASTER_PORT when set, else the first host of
+// SLURM_JOB_NODELIST and 15000 + the last four digits of SLURM_JOB_ID), else a
 // single process. A malformed or inconsistent value is a UserError naming the variable.
 DistEnv read_env(const GetEnv& getenv);
 DistEnv read_env();
+
+// The first host of a SLURM node list ("gpu[003-005],login1" -> "gpu003").
+std::string first_slurm_host(const std::string& nodelist);
 
 // The key prefix of this attempt in the rendezvous store: a restarted group (torchrun
 // --max-restarts) never reads the keys of an earlier attempt.

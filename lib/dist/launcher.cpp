@@ -6,7 +6,12 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <netdb.h>
+#include <poll.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -25,8 +30,128 @@ namespace {
 // The one piece of process-wide state outside the registry and the logger: a signal handler can
 // only talk to the program through a lock-free flag.
 std::atomic<int> g_stop_signal{0};
+std::atomic<bool> g_exit_until_work{false}, g_work_started{false};
 
-void on_stop_signal(int sig) { g_stop_signal.store(sig); }
+void on_stop_signal(int sig) {
+  g_stop_signal.store(sig);
+  if (g_exit_until_work.load() && !g_work_started.load()) {
+    static const char msg[] = "imgtrain: stopped by a signal before the first update (nothing to save)\n";
+    if (write(STDERR_FILENO, msg, sizeof msg - 1) < 0) {}
+    _exit(128 + sig);
+  }
+}
+
+using Clock = std::chrono::steady_clock;
+
+// Ends the launcher when asked to stop while it waits for the other nodes (no worker runs yet).
+void exit_if_stopped(const char* what) {
+  if (int sig = g_stop_signal.load()) {
+    log::info("launcher: received signal {} while {}; exiting", sig, what);
+    std::exit(128 + sig);
+  }
+}
+
+const std::string kLaunchKeys = "imgtrain/launch/";
+
+// Whether something accepts TCP connections at host:port within timeout_ms (probed with a plain
+// socket: c10d's client prints a stack trace for every failed attempt). "" when it does, else why not.
+std::string probe(const std::string& host, int64_t port, int timeout_ms) {
+  addrinfo hints{}, *res = nullptr;
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  if (int rc = getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res); rc != 0 || !res)
+    return fmt::format("cannot resolve {}: {}", host, gai_strerror(rc));
+  std::string why = "no answer";
+  for (addrinfo* a = res; a; a = a->ai_next) {
+    const int fd = socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK, 0);
+    if (fd < 0) continue;
+    int rc = connect(fd, a->ai_addr, a->ai_addrlen);
+    if (rc < 0 && errno == EINPROGRESS) {
+      pollfd p{fd, POLLOUT, 0};
+      rc = poll(&p, 1, timeout_ms) == 1 ? 0 : -1;
+      int err = 0;
+      socklen_t len = sizeof err;
+      if (rc == 0 && (getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) != 0 || err != 0)) {
+        rc = -1;
+        errno = err;
+      } else if (rc != 0) {
+        errno = ETIMEDOUT;
+      }
+    }
+    why = rc == 0 ? "" : std::strerror(errno);
+    close(fd);
+    if (rc == 0) break;
+  }
+  freeaddrinfo(res);
+  return why;
+}
+
+// Node r > 0 reaches node 0's store, retrying until the deadline (node 0 may start later).
+c10::intrusive_ptr<c10d::TCPStore> connect_to_node0(const LaunchOptions& o, Clock::time_point deadline) {
+  std::string last;
+  while (Clock::now() < deadline) {
+    exit_if_stopped("waiting for node 0");
+    last = probe(o.master_addr, o.master_port, 1000);
+    if (last.empty()) {
+      c10d::TCPStoreOptions so;
+      so.port = uint16_t(o.master_port);
+      so.isServer = false;
+      so.waitWorkers = false;
+      so.timeout = std::chrono::seconds(30);
+      try {
+        return c10::make_intrusive<c10d::TCPStore>(o.master_addr, so);
+      } catch (const std::exception& e) {
+        last = e.what();
+        last = last.substr(0, last.find('\n'));
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  throw UserError(fmt::format("node {}: no rendezvous at {}:{} after {} s (--rdzv-timeout): node 0's launcher is not "
+                              "running there, or that address is not reachable from this host ({})",
+                              o.node_rank, o.master_addr, o.master_port, o.rdzv_timeout_s, last));
+}
+
+// The nodes' launchers meet in node 0's store before any worker starts: node 0 publishes the job's
+// run id, every node registers its rank, and all wait until the nodes are complete. The workers'
+// keys then live under the one run id, so they find each other.
+std::string rendezvous(c10d::Store& store, const LaunchOptions& o, const std::string& my_id, Clock::time_point deadline) {
+  const std::string where = fmt::format("{}:{}", o.master_addr, o.master_port);
+  std::string run_id = my_id;
+  if (o.node_rank == 0) {
+    store.set(kLaunchKeys + "nnodes", std::to_string(o.nnodes));
+    store.set(kLaunchKeys + "run_id", run_id);
+  } else {
+    auto bytes = store.get(kLaunchKeys + "run_id");
+    run_id.assign(bytes.begin(), bytes.end());
+    if (!o.rdzv_id.empty() && o.rdzv_id != run_id)
+      throw UserError(fmt::format("node {}: --rdzv-id {} but the job at {} is {} (another job on that port?)",
+                                  o.node_rank, o.rdzv_id, where, run_id));
+    auto nn = store.get(kLaunchKeys + "nnodes");
+    if (std::string(nn.begin(), nn.end()) != std::to_string(o.nnodes))
+      throw UserError(fmt::format("node {}: --nnodes {} but node 0 at {} started with --nnodes {}", o.node_rank,
+                                  o.nnodes, where, std::string(nn.begin(), nn.end())));
+  }
+  if (store.add(kLaunchKeys + fmt::format("node/{}", o.node_rank), 1) > 1)
+    throw UserError(fmt::format("node {}: another node already joined the rendezvous at {} as node {} (two nodes with "
+                                "the same --node-rank, or another job on that port)",
+                                o.node_rank, where, o.node_rank));
+  store.add(kLaunchKeys + "joined", 1);
+  while (store.add(kLaunchKeys + "joined", 0) < o.nnodes) {
+    exit_if_stopped("waiting for the other nodes");
+    if (Clock::now() > deadline) {
+      std::vector<std::string> missing;
+      for (int64_t r = 0; r < o.nnodes; ++r)
+        if (!store.check({kLaunchKeys + fmt::format("node/{}", r)})) missing.push_back(std::to_string(r));
+      throw UserError(fmt::format("node {}: node(s) {} of {} did not join the rendezvous at {} within {} s "
+                                  "(--rdzv-timeout); start every node with the same --nnodes, --master-addr and "
+                                  "--master-port and its own --node-rank",
+                                  o.node_rank, fmt::join(missing, ", "), o.nnodes, where, o.rdzv_timeout_s));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  return run_id;
+}
 
 std::string random_run_id() {
   std::random_device rd;
@@ -79,13 +204,16 @@ bool launched_worker() {
   return std::getenv("SLURM_PROCID") && n && std::atoi(n) > 1;
 }
 
-void install_stop_handlers() {
+void install_stop_handlers(bool exit_until_work) {
+  g_exit_until_work.store(exit_until_work);
   struct sigaction sa {};
   sa.sa_handler = on_stop_signal;
   sigemptyset(&sa.sa_mask);
   sigaction(SIGINT, &sa, nullptr);
   sigaction(SIGTERM, &sa, nullptr);
 }
+
+void mark_work_started() { g_work_started.store(true); }
 
 int stop_signal() { return g_stop_signal.load(); }
 
@@ -97,10 +225,15 @@ int launch(const LaunchOptions& o, const std::vector<std::string>& argv) {
     throw UserError("--nnodes > 1 needs --master-port (and --master-addr, node 0's address) on every node");
   if (o.master_port < 0 || o.master_port > 65535)
     throw UserError(fmt::format("--master-port {}: expected a port (1..65535)", o.master_port));
+  if (o.rdzv_timeout_s < 1) throw UserError(fmt::format("--rdzv-timeout {}: expected at least 1", o.rdzv_timeout_s));
   // Node 0's launcher hosts the store (torchrun's agent store); workers everywhere are clients.
+  install_stop_handlers();
+  const auto join_deadline = Clock::now() + std::chrono::seconds(o.rdzv_timeout_s);
+  if (o.nnodes > 1)
+    log::info("Node {} of {}: joining the rendezvous at {}:{} (waiting up to {} s for the other nodes)", o.node_rank,
+              o.nnodes, o.master_addr, o.master_port, o.rdzv_timeout_s);
   c10::intrusive_ptr<c10d::TCPStore> store;
   int64_t port = o.master_port;
-  const std::string run_id = random_run_id();
   if (o.node_rank == 0) {
     c10d::TCPStoreOptions so;
     so.port = uint16_t(port);
@@ -114,9 +247,13 @@ int launch(const LaunchOptions& o, const std::vector<std::string>& argv) {
                                   w.substr(0, w.find('\n'))));
     }
     port = store->getPort();
+  } else {
+    store = connect_to_node0(o, join_deadline);
   }
-  log::info("Launching {} worker(s) on node {} of {} (world size {}), rendezvous {}:{}", o.nproc_per_node,
-            o.node_rank, o.nnodes, o.nproc_per_node * o.nnodes, o.master_addr, port);
+  std::string run_id = o.rdzv_id.empty() ? random_run_id() : o.rdzv_id;
+  if (o.nnodes > 1) run_id = rendezvous(*store, o, run_id, join_deadline);
+  log::info("Launching {} worker(s) on node {} of {} (world size {}), rendezvous {}:{}, run id {}", o.nproc_per_node,
+            o.node_rank, o.nnodes, o.nproc_per_node * o.nnodes, o.master_addr, port, run_id);
 
   // Everything exec needs is built before fork: the child only calls async-signal-safe functions.
   std::vector<std::string> args = argv;
@@ -137,13 +274,17 @@ int launch(const LaunchOptions& o, const std::vector<std::string>& argv) {
     cenvs.back().push_back(nullptr);
   }
 
-  install_stop_handlers();
   std::vector<pid_t> pids;
+  const pid_t launcher_pid = getpid();
   for (int64_t i = 0; i < o.nproc_per_node; ++i) {
     pid_t pid = fork();
     if (pid < 0) throw std::runtime_error(fmt::format("launcher: fork failed ({})", std::strerror(errno)));
     if (pid == 0) {
       setpgid(0, 0);  // its own process group: signals reach the worker and anything it starts
+      // A launcher killed outright takes its workers with it, as a lost host would: the other
+      // nodes then see their peers gone instead of a half-alive job.
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (getppid() != launcher_pid) _exit(1);
       signal(SIGINT, SIG_DFL);
       signal(SIGTERM, SIG_DFL);
       execve(exe, cargv.data(), cenvs[size_t(i)].data());

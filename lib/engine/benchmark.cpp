@@ -79,7 +79,7 @@ int benchmark(const cli::Config& cfg) {
   auto device = resolve_device(cfg.device);
   // Under a launcher the train benchmark is data parallel: each process steps its own batch and
   // the gradients are all-reduced as in training (the reported step time is rank 0's).
-  auto ctx = join_process_group(cfg.dist_backend, cfg.dist_timeout, device);
+  auto ctx = join_process_group(cfg.dist_backend, cfg.dist_timeout, cfg.rdzv_timeout, device);
   const Amp amp = resolve_amp(cfg.amp, cfg.amp_dtype, cfg.amp_opt_level);
   const auto& d = model_zoo::model_defaults(cfg.model);
   // timm: the test input size unless --img-size or --use-train-size.

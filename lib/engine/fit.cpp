@@ -362,9 +362,9 @@ int train(const cli::Config& cfg) {
       throw UserError(fmt::format("--resume '{}': checkpoint is a {}, but --model is {}", cfg.resume, meta.arch,
                                   cfg.model));
   }
-  dist::install_stop_handlers();
+  dist::install_stop_handlers(/*exit_until_work=*/true);
   auto device = resolve_device(cfg.device);
-  auto ctx = join_process_group(cfg.dist_backend, cfg.dist_timeout, device);
+  auto ctx = join_process_group(cfg.dist_backend, cfg.dist_timeout, cfg.rdzv_timeout, device);
   try {
     return fit(cfg, device, ctx.get());
   } catch (const UserError&) {

@@ -50,7 +50,7 @@ void apply_bn_args(torch::nn::Module& m, std::optional<double> momentum, std::op
 }
 
 std::shared_ptr<dist::Context> join_process_group(const std::string& backend, int64_t timeout_s,
-                                                  torch::Device& device) {
+                                                  int64_t join_timeout_s, torch::Device& device) {
   const auto denv = dist::read_env();
   log::set_rank(int(denv.rank));
   if (!denv.distributed()) return nullptr;
@@ -63,6 +63,7 @@ std::shared_ptr<dist::Context> join_process_group(const std::string& backend, in
   dist::InitOptions io;
   io.backend = backend;
   io.timeout = std::chrono::seconds(timeout_s);
+  io.join_timeout = std::chrono::seconds(join_timeout_s);
   io.device = device;
   return dist::Context::init(denv, io);
 }

@@ -35,8 +35,9 @@ void apply_bn_args(torch::nn::Module& m, std::optional<double> momentum, std::op
 
 // Joins the job's process group when a launcher started this process (torchrun's / SLURM's
 // variables), moving `device` to cuda:LOCAL_RANK; null for a single process. Sets the log rank.
+// join_timeout_s bounds the wait for the other processes to arrive (--rdzv-timeout).
 std::shared_ptr<dist::Context> join_process_group(const std::string& backend, int64_t timeout_s,
-                                                  torch::Device& device);
+                                                  int64_t join_timeout_s, torch::Device& device);
 
 // What the model's default config and the flags decide about inputs (timm resolve_data_config).
 struct DataConfig {

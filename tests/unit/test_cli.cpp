@@ -228,6 +228,52 @@ TEST_CASE("the worker environment is read as torchrun and SLURM define it", "[di
                     Catch::Contains("MASTER_PORT"));
 }
 
+TEST_CASE("SLURM without MASTER_ADDR or MASTER_PORT: the first host of the node list and a port from the job id",
+          "[dist][env]") {
+  using imgtrain::dist::first_slurm_host;
+  CHECK(first_slurm_host("node17") == "node17");
+  CHECK(first_slurm_host("gpu[003-005,9],login1") == "gpu003");
+  CHECK(first_slurm_host("a,b[1-2]") == "a");
+  CHECK(first_slurm_host("rack[2-3]-n[01-04]") == "rack2-n01");
+  auto s = env_of({{"SLURM_PROCID", "3"}, {"SLURM_NTASKS", "4"}, {"SLURM_LOCALID", "1"}, {"SLURM_NODEID", "1"},
+                   {"SLURM_JOB_ID", "1234567"}, {"SLURM_JOB_NODELIST", "gpu[07-08]"},
+                   {"SLURM_TASKS_PER_NODE", "2(x2)"}});
+  CHECK(s.master_addr == "gpu07");
+  CHECK(s.master_port == 15000 + 4567);
+  CHECK(s.local_world_size == 2);
+  CHECK(env_of({{"SLURM_PROCID", "2"}, {"SLURM_NTASKS", "3"}, {"SLURM_NODEID", "1"}, {"SLURM_JOB_ID", "5"},
+                {"SLURM_JOB_NODELIST", "a,b"}, {"SLURM_TASKS_PER_NODE", "2,1"}})
+            .local_world_size == 1);
+  // MASTER_ADDR / MASTER_PORT win when set.
+  auto m = env_of({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}, {"SLURM_JOB_ID", "7"}, {"SLURM_JOB_NODELIST", "x"},
+                   {"MASTER_ADDR", "10.0.0.1"}, {"MASTER_PORT", "29555"}});
+  CHECK(m.master_addr == "10.0.0.1");
+  CHECK(m.master_port == 29555);
+  CHECK_THROWS_WITH(env_of({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}}),
+                    Catch::Contains("MASTER_ADDR is not set (nor SLURM_JOB_NODELIST)"));
+}
+
+TEST_CASE("Detectron2's launch names map to the launcher's flags", "[cli]") {
+  auto c = parse(Command::Train, {"--num-gpus", "8", "--num-machines", "2", "--machine-rank", "1", "--dist-url",
+                                  "tcp://10.1.2.3:29511"});
+  REQUIRE(c);
+  CHECK(c->nproc_per_node == 8);
+  CHECK(c->nnodes == 2);
+  CHECK(c->node_rank == 1);
+  CHECK(c->master_addr == "10.1.2.3");
+  CHECK(c->master_port == 29511);
+  auto v6 = parse(Command::Train, {"--num-gpus", "1", "--dist-url", "tcp://[fd00::1]:29511"});
+  REQUIRE(v6);
+  CHECK(v6->master_addr == "fd00::1");
+  CHECK_THAT(error_of({"--num-gpus", "1", "--dist-url", "10.1.2.3:29511"}), Catch::Contains("expected tcp://HOST:PORT"));
+  CHECK_THAT(error_of({"--num-gpus", "1", "--dist-url", "tcp://h:99999"}), Catch::Contains("expected tcp://HOST:PORT"));
+  CHECK_THAT(error_of({"--num-gpus", "1", "--dist-url", "tcp://h:1", "--master-port", "2"}),
+             Catch::Contains("give one of them"));
+  CHECK_THAT(error_of({"--dist-url", "tcp://h:1"}), Catch::Contains("--dist-url has no effect without --nproc-per-node"));
+  CHECK(error_of({"--rdzv-timeout", "30"}) == "");  // also bounds a torchrun / srun worker's join
+  CHECK_THAT(error_of({"--rdzv-timeout", "0"}), Catch::Contains("positive"));
+}
+
 TEST_CASE("flags that would have no effect are refused by name, from the command line or a file", "[cli]") {
   using C = Command;
   CHECK_THAT(error_of({"--bench", "data", "--model", "resnet18"}, C::Benchmark),
