@@ -25,11 +25,16 @@ ip link set va$tag netns "$a"; ip link set vb$tag netns "$b"
 ip -n "$a" addr add 198.18.0.1/30 dev va$tag; ip -n "$b" addr add 198.18.0.2/30 dev vb$tag
 for n in "$a" "$b"; do ip -n "$n" link set lo up; done
 ip -n "$a" link set va$tag up; ip -n "$b" link set vb$tag up
+# netem where the kernel has it, else a token bucket (tbf) at the same rate.
 shaped="unshaped"
-if ip netns exec "$a" tc qdisc add dev va$tag root netem rate "$rate" 2>/dev/null &&
-   ip netns exec "$b" tc qdisc add dev vb$tag root netem rate "$rate" 2>/dev/null; then
-  shaped="netem rate $rate"
-fi
+for q in "netem rate $rate" "tbf rate $rate burst 1mb latency 50ms"; do
+  if ip netns exec "$a" tc qdisc add dev va$tag root $q 2>/dev/null &&
+     ip netns exec "$b" tc qdisc add dev vb$tag root $q 2>/dev/null; then
+    shaped="$q"
+    break
+  fi
+  ip netns exec "$a" tc qdisc del dev va$tag root 2>/dev/null || true
+done
 echo "# $model, veth $shaped; 1 thread per process; $(nproc) cores"
 
 field() { grep -o "\"$1\": [0-9.]*" | head -1 | awk '{print $2}'; }

@@ -8,10 +8,14 @@
 #include "engine/commands.h"
 #include "io/weights.h"
 #include "model_zoo/registry.h"
+#include "tasks/detection/coco_eval.h"
 
 #include <torch/torch.h>
 
+#include <chrono>
 #include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
 #include <cxxopts.hpp>
 
 namespace imgtrain::app {
@@ -196,6 +200,77 @@ int version(const char* version) {
               "disabled"
 #endif
   );
+  return 0;
+}
+
+}  // namespace imgtrain::app
+
+namespace imgtrain::app {
+
+// A drop-in for pycocotools' evaluation script: COCO(gt).loadRes(results), COCOeval evaluate,
+// accumulate, summarize; the same numbers, printed the same way.
+int evaluate_coco(const std::vector<std::string>& args) {
+  cxxopts::Options opts("imgtrain evaluate-coco",
+                        "Score COCO detection results against COCO annotations (pycocotools' COCOeval numbers)");
+  opts.add_options()("gt", "Ground truth: instances_*.json", cxxopts::value<std::string>())(
+      "results", "Detections: a COCO results json (list of image_id, category_id, bbox | segmentation, score)",
+      cxxopts::value<std::string>())("iou-type", "bbox, segm or both",
+                                     cxxopts::value<std::string>()->default_value("bbox"))(
+      "results-file", "Also write the stats and per-category AP here (json)", cxxopts::value<std::string>())(
+      "threads", "Threads (0: all cores)", cxxopts::value<int>()->default_value("0"))("h,help", "Show this help");
+  auto parsed = parse_command(opts, "evaluate-coco", args);
+  if (!parsed) return 0;
+  auto& r = *parsed;
+  if (!r.count("gt") || !r.count("results")) throw UserError("evaluate-coco needs --gt FILE.json and --results FILE.json");
+  const std::string iou = r["iou-type"].as<std::string>();
+  if (iou != "bbox" && iou != "segm" && iou != "both")
+    throw UserError(fmt::format("--iou-type '{}': expected bbox, segm or both", iou));
+  if (r["threads"].as<int>() < 0) throw UserError("--threads: expected 0 or more");
+  const std::string gt_path = r["gt"].as<std::string>(), dt_path = r["results"].as<std::string>();
+  using Clock = std::chrono::steady_clock;
+  auto secs = [](Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); };
+  coco::Dataset gt, dt;
+  try {
+    auto t0 = Clock::now();
+    coco::LoadOptions lo;
+    lo.keep_degenerate_boxes = true;  // pycocotools keeps them in the ground truth
+    gt = coco::load_dataset(gt_path, lo);
+    std::printf("Loaded %zu images, %zu annotations, %zu categories from %s (%.2fs)\n", gt.images.size(),
+                gt.annotations.size(), gt.categories.size(), gt_path.c_str(), secs(t0));
+    for (auto& w : gt.warnings) std::fprintf(stderr, "imgtrain: warning: %s\n", w.c_str());
+    t0 = Clock::now();
+    dt = coco::load_results(gt, dt_path);
+    std::printf("Loaded %zu detections from %s (%.2fs)\n", dt.annotations.size(), dt_path.c_str(), secs(t0));
+    for (auto& w : dt.warnings) std::fprintf(stderr, "imgtrain: warning: %s\n", w.c_str());
+  } catch (const std::exception& e) {  // the readers' errors name the file and the problem
+    throw UserError(e.what());
+  }
+  nlohmann::ordered_json out;
+  static const char* kNames[12] = {"AP", "AP50", "AP75", "APs", "APm", "APl", "AR1", "AR10", "AR100", "ARs", "ARm", "ARl"};
+  for (const std::string type : {"bbox", "segm"}) {
+    if (iou != "both" && iou != type) continue;
+    coco::EvalParams p;
+    p.iou_type = type == "bbox" ? coco::IouType::bbox : coco::IouType::segm;
+    p.threads = size_t(r["threads"].as<int>());
+    std::printf("Evaluate annotation type *%s*\n", type.c_str());
+    const auto t0 = Clock::now();
+    const auto res = coco::evaluate(gt, dt, p);
+    std::printf("DONE (t=%.2fs).\n%s", secs(t0), coco::format_summary(res).c_str());
+    auto& o = out[type];
+    for (int i = 0; i < 12; ++i) o["stats"][kNames[i]] = res.stats[size_t(i)];
+    for (size_t k = 0; k < res.cat_ids.size(); ++k) {
+      const auto* c = gt.category(res.cat_ids[k]);
+      const double ap = res.per_category_ap[k];
+      o["per_category_ap"][c ? c->name : std::to_string(res.cat_ids[k])] =
+          std::isnan(ap) ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(ap);
+    }
+  }
+  if (r.count("results-file")) {
+    const std::string path = r["results-file"].as<std::string>();
+    std::ofstream f(path);
+    f << out.dump(2) << "\n";
+    if (!f) throw UserError(fmt::format("--results-file '{}': cannot write it", path));
+  }
   return 0;
 }
 

@@ -28,6 +28,7 @@ const char* kUsage =
     "  models      list models: imgtrain models ['resnet*'] [--verbose]\n"
     "  export      write a checkpoint's weights as a plain timm state dict (safetensors)\n"
     "  pack        convert an ImageFolder into tar shards (WebDataset layout)\n"
+    "  evaluate-coco  score COCO detection results (pycocotools' COCOeval numbers, faster)\n"
     "\n"
     "imgtrain <command> --help shows the command's flags; imgtrain --version the version.\n";
 }
@@ -59,7 +60,11 @@ int main(int argc, char** argv) {
     if (cmd == "models") return imgtrain::app::models(args);
     if (cmd == "export") return imgtrain::app::export_weights(args);
     if (cmd == "pack") return imgtrain::app::pack(args);
-    std::fprintf(stderr, "imgtrain: unknown command '%s' (expected train, validate, benchmark, models, export or pack)\n", cmd.c_str());
+    if (cmd == "evaluate-coco") return imgtrain::app::evaluate_coco(args);
+    std::fprintf(stderr,
+                 "imgtrain: error: unknown command '%s' (expected train, validate, benchmark, models, export, pack or "
+                 "evaluate-coco)\n",
+                 cmd.c_str());
     return 2;
   } catch (const imgtrain::UserError& e) {
     std::fprintf(stderr, "imgtrain: error: %s\n", e.what());
