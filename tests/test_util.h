@@ -57,18 +57,21 @@ inline RunResult run(const std::string& cmd) {
   return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
 }
 
-// A TCP port on 127.0.0.1 that was free a moment ago (the kernel's pick for port 0).
-inline int free_port() {
+// Binds a TCP socket to 127.0.0.1:port (0: the kernel's pick) and closes it: the port that was
+// free a moment ago, or 0 when `port` is taken.
+inline int bind_port(int port) {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in a{};
   a.sin_family = AF_INET;
   a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = htons(uint16_t(port));
   socklen_t len = sizeof a;
-  int port = 0;
+  int got = 0;
   if (fd >= 0 && bind(fd, (sockaddr*)&a, sizeof a) == 0 && getsockname(fd, (sockaddr*)&a, &len) == 0)
-    port = ntohs(a.sin_port);
+    got = ntohs(a.sin_port);
   if (fd >= 0) close(fd);
-  return port;
+  return got;
 }
+inline int free_port() { return bind_port(0); }
 
 }  // namespace test

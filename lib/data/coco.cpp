@@ -326,22 +326,21 @@ Dataset read_dataset(Input& in, const std::string& name, const LoadOptions& opt)
 
   // Duplicate ids: the first image / category wins (pycocotools' dict keeps the last; files with
   // duplicates are broken either way, so they are reported).
-  {
+  auto drop_duplicate_ids = [&](auto& items, const char* what) {
     std::unordered_set<int64_t> ids;
-    std::vector<Image> keep;
-    for (auto& im : d.images)
-      if (ids.insert(im.id).second) keep.push_back(std::move(im));
-      else issues.add("images skipped: duplicate id", "id " + std::to_string(im.id));
-    d.images = std::move(keep);
-  }
-  {
-    std::unordered_set<int64_t> ids;
-    std::vector<Category> keep;
-    for (auto& c : d.categories)
-      if (ids.insert(c.id).second) keep.push_back(std::move(c));
-      else issues.add("categories skipped: duplicate id", "id " + std::to_string(c.id));
-    d.categories = std::move(keep);
-  }
+    size_t out = 0;
+    for (size_t i = 0; i < items.size(); ++i) {
+      if (!ids.insert(items[i].id).second) {
+        issues.add(std::string(what) + " skipped: duplicate id", "id " + std::to_string(items[i].id));
+        continue;
+      }
+      if (out != i) items[out] = std::move(items[i]);  // (a self-move would empty its strings)
+      ++out;
+    }
+    items.resize(out);
+  };
+  drop_duplicate_ids(d.images, "images");
+  drop_duplicate_ids(d.categories, "categories");
   d.build_index();
   // Annotations against the images and categories (which may come later in the file).
   std::unordered_set<int64_t> ann_ids;

@@ -174,7 +174,7 @@ EpochResult train_one_epoch(Task& task, torch::nn::Module& model, data::Loader& 
     optimizer.zero_grad(set_to_none);
     ++num_updates;
     ++updates_done;
-    dist::mark_work_started();  // from here a stop request is honoured with a recovery checkpoint
+    if (updates_done == 1) dist::mark_work_started();  // from here a stop is honoured with a checkpoint
     if (ema) ema->update(num_updates);
     update_time.update(seconds_since(update_start));
     update_start = Clock::now();

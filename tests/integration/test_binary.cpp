@@ -542,3 +542,29 @@ TEST_CASE("pack: training from tar shards matches the folder, and Python-made sh
   CHECK(v[0] == v[1]);
   CHECK(v[0] == v[2]);
 }
+
+TEST_CASE("evaluate-coco prints pycocotools' summary lines and refuses bad files in one line", "[coco]") {
+  const std::string dir = std::string(IMGTRAIN_PARITY_DIR) + "/coco_eval";
+  const std::string bin = IMGTRAIN_BIN;
+  for (std::string type : {"bbox", "segm"}) {
+    INFO(type);
+    test::TempDir out("evalcoco");
+    auto r = test::run(bin + " evaluate-coco --gt " + dir + "/gt.json --results " + dir + "/dt_" + type +
+                       ".json --iou-type " + type + " --results-file " + (out / "res.json"));
+    INFO(r.output);
+    REQUIRE(r.code == 0);
+    // pycocotools' own printed summary of the same files (make_coco_eval_refs.py)
+    CHECK_THAT(r.output, Catch::Contains(test::read_file(dir + "/" + type + "_summary.txt")));
+    CHECK_THAT(test::read_file(out / "res.json"), Catch::Contains("\"" + type + "\"") && Catch::Contains("\"AP50\""));
+  }
+  test::TempDir bad("evalcoco-bad");
+  test::write_file(bad / "broken.json", "{\"images\": [");
+  auto broken = test::run(bin + " evaluate-coco --gt " + (bad / "broken.json") + " --results " + dir + "/dt_bbox.json");
+  INFO(broken.output);
+  CHECK(broken.code == 2);
+  CHECK_THAT(broken.output, Catch::StartsWith("imgtrain: error: ") && Catch::Contains("broken.json"));
+  auto missing = test::run(bin + " evaluate-coco --gt " + dir + "/gt.json --results " + (bad / "none.json"));
+  CHECK(missing.code == 2);
+  CHECK_THAT(missing.output, Catch::Contains("none.json"));
+  CHECK(test::run(bin + " evaluate-coco --gt a --results b --iou-type keypoints").code == 2);
+}

@@ -8,11 +8,6 @@
 #include <catch2/catch.hpp>
 #include <torch/torch.h>
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <cstdlib>
 #include <iostream>
 #include <regex>
@@ -48,15 +43,15 @@ std::string two_nodes(const std::string& cmd0, const std::string& log0, const st
          " 2>&1; echo exit=$? >> " + log1 + ") & wait";
 }
 
-bool port_free(int port) {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  a.sin_port = htons(uint16_t(port));
-  const bool ok = fd >= 0 && bind(fd, (sockaddr*)&a, sizeof a) == 0;
-  if (fd >= 0) close(fd);
-  return ok;
+// Runs the two nodes' commands (two_nodes) and returns their logs; both must have exited 0.
+std::pair<std::string, std::string> train_on_two_nodes(const std::string& cmd0, const std::string& log0,
+                                                       const std::string& cmd1, const std::string& log1) {
+  test::run(two_nodes(cmd0, log0, cmd1, log1));
+  std::pair<std::string, std::string> logs{test::read_file(log0), test::read_file(log1)};
+  INFO(logs.first << "\n----\n" << logs.second);
+  REQUIRE_THAT(logs.first, Catch::Contains("exit=0"));
+  REQUIRE_THAT(logs.second, Catch::Contains("exit=0"));
+  return logs;
 }
 
 std::string run_id_of(const std::string& log) {
@@ -87,16 +82,13 @@ TEST_CASE("every launch form of a 2-node job trains the weights of a single-node
   SECTION("two imgtrain launchers, timm's flags on node 0 and Detectron2's names on node 1") {
     const int port = test::free_port();
     const std::string l0 = out / "n0.log", l1 = out / "n1.log";
-    test::run(two_nodes(kBin + args + " --experiment self --nproc-per-node 1 --nnodes 2 --node-rank 0 --master-addr "
+    const auto [a, b] = train_on_two_nodes(kBin + args + " --experiment self --nproc-per-node 1 --nnodes 2 --node-rank 0 --master-addr "
                                           "127.0.0.1 --master-port " + std::to_string(port),
                         l0,
                         kBin + args + " --experiment self --num-gpus 1 --num-machines 2 --machine-rank 1 --dist-url "
                                       "tcp://127.0.0.1:" + std::to_string(port),
-                        l1));
-    const std::string a = test::read_file(l0), b = test::read_file(l1);
+                        l1);
     INFO(a << "\n----\n" << b);
-    REQUIRE_THAT(a, Catch::Contains("exit=0"));
-    REQUIRE_THAT(b, Catch::Contains("exit=0"));
     CHECK_THAT(a, Catch::Contains("Launching 1 worker(s) on node 0 of 2 (world size 2)"));
     CHECK_THAT(b, Catch::Contains("Launching 1 worker(s) on node 1 of 2 (world size 2)"));
     CHECK(!run_id_of(a).empty());
@@ -107,18 +99,15 @@ TEST_CASE("every launch form of a 2-node job trains the weights of a single-node
     const std::string rdzv = " --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:" +
                              std::to_string(test::free_port()) + " --rdzv-id job7 --no-python ";
     const std::string l0 = out / "t0.log", l1 = out / "t1.log";
-    test::run(two_nodes(kTorchrun + rdzv + kBin + args + " --experiment c10d", l0,
-                        kTorchrun + rdzv + kBin + args + " --experiment c10d", l1));
-    const std::string a = test::read_file(l0), b = test::read_file(l1);
+    const auto [a, b] = train_on_two_nodes(kTorchrun + rdzv + kBin + args + " --experiment c10d", l0,
+                        kTorchrun + rdzv + kBin + args + " --experiment c10d", l1);
     INFO(a << "\n----\n" << b);
-    REQUIRE_THAT(a, Catch::Contains("exit=0"));
-    REQUIRE_THAT(b, Catch::Contains("exit=0"));
     CHECK(count_identical(out / "c10d/last.safetensors", ref_ckpt) > 100);
   }
   SECTION("a SLURM environment of 2 nodes x 1 task, the master from SLURM_JOB_NODELIST and the job id") {
     // The port is 15000 + the job id's last four digits: a job id whose port is free now.
     int job = 1230000 + (::getpid() % 9000);
-    while (!port_free(15000 + job % 10000)) ++job;
+    while (test::bind_port(15000 + job % 10000) == 0) ++job;
     auto task = [&](int r) {
       return fmt::format("env -u MASTER_ADDR -u MASTER_PORT -u RANK -u WORLD_SIZE -u LOCAL_RANK SLURM_PROCID={0} "
                          "SLURM_NTASKS=2 SLURM_LOCALID=0 SLURM_NODEID={0} SLURM_JOB_ID={1} "
@@ -126,12 +115,9 @@ TEST_CASE("every launch form of a 2-node job trains the weights of a single-node
                          r, job);
     };
     const std::string l0 = out / "s0.log", l1 = out / "s1.log";
-    test::run(two_nodes(task(0) + kBin + args + " --experiment slurm", l0, task(1) + kBin + args + " --experiment slurm",
-                        l1));
-    const std::string a = test::read_file(l0), b = test::read_file(l1);
+    const auto [a, b] = train_on_two_nodes(task(0) + kBin + args + " --experiment slurm", l0, task(1) + kBin + args + " --experiment slurm",
+                        l1);
     INFO(a << "\n----\n" << b);
-    REQUIRE_THAT(a, Catch::Contains("exit=0"));
-    REQUIRE_THAT(b, Catch::Contains("exit=0"));
     CHECK_THAT(a, Catch::Contains("Process 0, total 2"));
     CHECK(count_identical(out / "slurm/last.safetensors", ref_ckpt) > 100);
   }
@@ -147,11 +133,8 @@ TEST_CASE("two launchers with 2 processes each equal one node with 4", "[dist]")
   const std::string node = args + " --experiment two --nproc-per-node 2 --nnodes 2 --rdzv-id demo --master-port " +
                            std::to_string(test::free_port()) + " --node-rank ";
   const std::string l0 = out / "n0.log", l1 = out / "n1.log";
-  test::run(two_nodes(kBin + node + "0", l0, kBin + node + "1", l1));
-  const std::string a = test::read_file(l0), b = test::read_file(l1);
+  const auto [a, b] = train_on_two_nodes(kBin + node + "0", l0, kBin + node + "1", l1);
   INFO(a << "\n----\n" << b);
-  REQUIRE_THAT(a, Catch::Contains("exit=0"));
-  REQUIRE_THAT(b, Catch::Contains("exit=0"));
   CHECK(run_id_of(a) == "demo");
   CHECK(run_id_of(b) == "demo");
   CHECK(count_identical(out / "two/last.safetensors", out / "ref/last.safetensors") > 100);
@@ -272,12 +255,9 @@ TEST_CASE("two hosts in network namespaces: the job trains and losing node 1 sto
   REQUIRE(ref.code == 0);
   {
     const std::string l0 = out / "a.log", l1 = out / "b.log";
-    test::run(two_nodes(hosts.on_a(kBin + args + " --experiment hosts --node-rank 0"), l0,
-                        hosts.on_b(kBin + args + " --experiment hosts --node-rank 1"), l1));
-    const std::string a = test::read_file(l0), b = test::read_file(l1);
+    const auto [a, b] = train_on_two_nodes(hosts.on_a(kBin + args + " --experiment hosts --node-rank 0"), l0,
+                        hosts.on_b(kBin + args + " --experiment hosts --node-rank 1"), l1);
     INFO(a << "\n----\n" << b);
-    REQUIRE_THAT(a, Catch::Contains("exit=0"));
-    REQUIRE_THAT(b, Catch::Contains("exit=0"));
     CHECK(count_identical(out / "hosts/last.safetensors", out / "ref/last.safetensors") > 100);
   }
   {
