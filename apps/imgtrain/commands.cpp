@@ -2,6 +2,7 @@
 
 #include "cli/config.h"
 #include "core/error.h"
+#include "data/coco_detection.h"
 #include "data/shards.h"
 #include "dist/launcher.h"
 #include "engine/checkpoint.h"
@@ -14,9 +15,11 @@
 
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <cxxopts.hpp>
+#include <fmt/ranges.h>
 
 namespace imgtrain::app {
 
@@ -246,7 +249,6 @@ int evaluate_coco(const std::vector<std::string>& args) {
     throw UserError(e.what());
   }
   nlohmann::ordered_json out;
-  static const char* kNames[12] = {"AP", "AP50", "AP75", "APs", "APm", "APl", "AR1", "AR10", "AR100", "ARs", "ARm", "ARl"};
   for (const std::string type : {"bbox", "segm"}) {
     if (iou != "both" && iou != type) continue;
     coco::EvalParams p;
@@ -257,7 +259,7 @@ int evaluate_coco(const std::vector<std::string>& args) {
     const auto res = coco::evaluate(gt, dt, p);
     std::printf("DONE (t=%.2fs).\n%s", secs(t0), coco::format_summary(res).c_str());
     auto& o = out[type];
-    for (int i = 0; i < 12; ++i) o["stats"][kNames[i]] = res.stats[size_t(i)];
+    for (int i = 0; i < 12; ++i) o["stats"][coco::stat_names()[size_t(i)]] = res.stats[size_t(i)];
     for (size_t k = 0; k < res.cat_ids.size(); ++k) {
       const auto* c = gt.category(res.cat_ids[k]);
       const double ap = res.per_category_ap[k];
@@ -270,6 +272,49 @@ int evaluate_coco(const std::vector<std::string>& args) {
     std::ofstream f(path);
     f << out.dump(2) << "\n";
     if (!f) throw UserError(fmt::format("--results-file '{}': cannot write it", path));
+  }
+  return 0;
+}
+
+// What a COCO annotation file holds and what training would use of it: counts, the reader's
+// warnings, the training view (torchvision's filtering) and, with --images, missing files.
+int coco_info(const std::vector<std::string>& args) {
+  cxxopts::Options opts("imgtrain coco-info", "Check a COCO instances json (and its images) before training on it");
+  opts.add_options()("ann", "instances_*.json", cxxopts::value<std::string>())(
+      "images", "The image folder: check that every file it names exists", cxxopts::value<std::string>())(
+      "h,help", "Show this help");
+  auto parsed = parse_command(opts, "coco-info", args);
+  if (!parsed) return 0;
+  auto& r = *parsed;
+  if (!r.count("ann")) throw UserError("coco-info needs --ann FILE.json");
+  const std::string ann = r["ann"].as<std::string>(), images = r.count("images") ? r["images"].as<std::string>() : "";
+  std::error_code ec;
+  if (!images.empty() && !std::filesystem::is_directory(images, ec))
+    throw UserError(fmt::format("--images '{}': no such folder", images));
+  const auto t0 = std::chrono::steady_clock::now();
+  data::CocoDetection ds(images, ann, {.train = true, .contiguous_labels = true, .masks = false});
+  const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const auto& gt = ds.coco();
+  size_t crowd = 0;
+  for (auto& a : gt.annotations) crowd += a.iscrowd;
+  std::printf("Loaded %zu images, %zu annotations (%zu crowd), %zu categories from %s (%.2fs)\n", gt.images.size(),
+              gt.annotations.size(), crowd, gt.categories.size(), ann.c_str(), load_s);
+  for (auto& w : ds.warnings()) std::fprintf(stderr, "imgtrain: warning: %s\n", w.c_str());
+  size_t boxes = 0;
+  for (size_t i = 0; i < ds.size(); ++i) boxes += size_t(ds.target(i).boxes.size(0));
+  std::printf("Training view: %zu images (%zu left out), %zu boxes, %lld classes with the background\n", ds.size(),
+              ds.removed_images(), boxes, (long long)ds.num_classes());
+  if (!images.empty()) {
+    std::vector<std::string> missing;
+    for (auto& im : gt.images)
+      if (!std::filesystem::is_regular_file(std::filesystem::path(images) / im.file_name, ec)) missing.push_back(im.file_name);
+    if (const size_t n = missing.size()) {
+      missing.resize(std::min<size_t>(n, 5));
+      std::fprintf(stderr, "imgtrain: error: %zu of %zu images are missing from %s (e.g. %s)\n", n,
+                   gt.images.size(), images.c_str(), fmt::format("{}", fmt::join(missing, ", ")).c_str());
+      return 1;
+    }
+    std::printf("All %zu image files are present in %s\n", gt.images.size(), images.c_str());
   }
   return 0;
 }

@@ -11,5 +11,6 @@ int models(const std::vector<std::string>& args);
 int export_weights(const std::vector<std::string>& args);
 int pack(const std::vector<std::string>& args);
 int evaluate_coco(const std::vector<std::string>& args);
+int coco_info(const std::vector<std::string>& args);
 int version(const char* version);
 }  // namespace imgtrain::app

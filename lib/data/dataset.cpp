@@ -439,12 +439,7 @@ class ImageFolder : public Dataset {
     return decode_image(bytes, samples_[i].first);
   }
   bool encoded(size_t i, std::string& bytes) const override {
-    const auto& path = samples_[i].first;
-    std::ifstream f(path, std::ios::binary | std::ios::ate);
-    if (!f) throw DecodeError(fmt::format("cannot read '{}'", path));
-    bytes.resize(size_t(f.tellg()));
-    f.seekg(0);
-    if (!f.read(bytes.data(), std::streamsize(bytes.size()))) throw DecodeError(fmt::format("cannot read '{}'", path));
+    read_file_bytes(samples_[i].first, bytes);
     return true;
   }
   std::string describe(size_t i) const override { return samples_[i].first; }
@@ -531,6 +526,14 @@ class ImageFolder : public Dataset {
 };
 
 }  // namespace
+
+void read_file_bytes(const std::string& path, std::string& bytes) {
+  std::ifstream f(path, std::ios::binary | std::ios::ate);
+  if (!f) throw DecodeError(fmt::format("cannot read '{}'", path));
+  bytes.resize(size_t(f.tellg()));
+  f.seekg(0);
+  if (!f.read(bytes.data(), std::streamsize(bytes.size()))) throw DecodeError(fmt::format("cannot read '{}'", path));
+}
 
 std::string find_split_folder(const std::string& root, const std::string& split) {
   static const std::vector<std::string> train_syn = {"train", "training"};

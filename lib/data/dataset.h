@@ -1,6 +1,8 @@
 // Datasets: Fashion-MNIST from its IDX .gz files and ImageFolder (one class per subfolder).
 // A dataset hands out decoded 8-bit images (HWC, 1 or 3 channels, RGB order) and labels.
 #pragma once
+#include "data/target.h"
+
 #include <opencv2/core.hpp>
 
 #include <cstdint>
@@ -31,6 +33,11 @@ class Dataset {
   // loader's training order then reads shard by shard (see LoaderOptions::shuffle_buffer).
   virtual std::vector<size_t> shard_starts() const { return {}; }
   virtual std::string describe(size_t i) const = 0;
+  // Detection datasets: each sample's target (boxes, labels, masks as RLE) and its image size
+  // from the annotations (no decoding; the aspect-ratio grouping reads it).
+  virtual bool has_targets() const { return false; }
+  virtual BoxTarget target(size_t i) const { return {}; }
+  virtual cv::Size image_size(size_t i) const { return {}; }
   virtual int64_t num_classes() const = 0;
   virtual std::vector<std::string> class_names() const = 0;
 };
@@ -42,6 +49,9 @@ struct IdxArray {
   std::vector<uint8_t> data;
 };
 IdxArray read_idx(const std::string& path);
+
+// A whole file into `bytes`; DecodeError naming it when it cannot be read.
+void read_file_bytes(const std::string& path, std::string& bytes);
 
 // Decodes JPEG (TurboJPEG), PNG, BMP, WebP (OpenCV) bytes into RGB or grayscale 8-bit.
 cv::Mat decode_image(const std::string& bytes, const std::string& what);
@@ -60,8 +70,8 @@ cv::Mat decode_jpeg_region(const std::string& bytes, int denom, cv::Rect region,
 // The default location of Debian's dataset-fashion-mnist package.
 inline const char* kFashionMnistDir = "/usr/share/datasets/fashion-mnist";
 
-// kind: "" (ImageFolder, or tar shards when the split folder holds *.tar files) or
-// "fashion-mnist". split: timm's split name (folder synonyms apply).
+// kind: "" (ImageFolder, or tar shards when the split folder holds *.tar files),
+// "fashion-mnist" or "coco" (data/coco_detection.h: images and instances json of the split). split: timm's split name (folder synonyms apply).
 std::shared_ptr<Dataset> create_dataset(const std::string& kind, const std::string& root, const std::string& split);
 
 // timm's split-folder search: `split` itself, else its synonyms (train/training,

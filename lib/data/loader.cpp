@@ -2,7 +2,9 @@
 
 #include "core/log.h"
 #include "core/rng.h"
+#include "data/coco_detection.h"
 
+#include <opencv2/imgproc.hpp>
 #include <torch/torch.h>
 
 #include <cmath>
@@ -13,10 +15,16 @@ Loader::Loader(std::shared_ptr<Dataset> ds, TransformConfig tc, LoaderOptions op
     : ds_(std::move(ds)), tc_(std::move(tc)), opt_(opt) {
   if (opt_.world < 1 || opt_.rank < 0 || opt_.rank >= opt_.world)
     throw std::invalid_argument("loader: rank must be in [0, world)");
+  const size_t w = size_t(opt_.world), r = size_t(opt_.rank);
   size_t n = opt_.repeats > 0 ? repeat_aug_samples(int64_t(ds_->size()), opt_.repeats, opt_.world)
-                              : (ds_->size() + size_t(opt_.world) - 1) / size_t(opt_.world);  // this rank's share
+             : opt_.pad_shares ? (ds_->size() + w - 1) / w  // this rank's share
+                               : (ds_->size() + w - 1 - r) / w;
   size_t b = size_t(opt_.batch_size);
   num_batches_ = opt_.drop_last ? n / b : (n + b - 1) / b;
+  if (ds_->has_targets() && (opt_.aspect_ratio_group_factor >= 0 || opt_.two_bucket_grouping)) {
+    group_ids_ = aspect_ratio_groups(*ds_, opt_.aspect_ratio_group_factor, opt_.two_bucket_grouping);
+    num_batches_ = n / b;  // GroupedBatchSampler: len(sampler) // batch_size, every batch full
+  }
   if (opt_.pin_memory && !torch::cuda::is_available()) opt_.pin_memory = false;
 }
 
@@ -30,6 +38,12 @@ void Loader::stop_workers() {
   cv_work_.notify_all();
   for (auto& t : threads_) t.join();
   threads_.clear();
+}
+
+std::vector<int64_t> rank_slice(const std::vector<int64_t>& order, int64_t rank, int64_t world) {
+  std::vector<int64_t> out;
+  for (size_t i = size_t(rank); i < order.size(); i += size_t(world)) out.push_back(order[i]);
+  return out;
 }
 
 std::vector<int64_t> rank_share(const std::vector<int64_t>& order, int64_t rank, int64_t world) {
@@ -130,8 +144,10 @@ void Loader::start_epoch(int64_t epoch, size_t first_batch) {
   } else {
     // torch.utils.data.DistributedSampler: g.manual_seed(seed + epoch); randperm(n, generator=g)
     order_ = permutation(n, opt_.shuffle, opt_.seed + uint64_t(epoch));
-    if (opt_.world > 1) order_ = rank_share(order_, opt_.rank, opt_.world);
+    if (opt_.world > 1) order_ = opt_.pad_shares ? rank_share(order_, opt_.rank, opt_.world)
+                                                 : rank_slice(order_, opt_.rank, opt_.world);
   }
+  if (!group_ids_.empty()) order_ = grouped_batches(order_, group_ids_, opt_.batch_size);
   next_batch_ = std::min(first_batch, num_batches_);
   next_to_make_ = next_batch_;
   skipped_epoch_ = 0;
@@ -170,6 +186,7 @@ void Loader::worker_loop() {
 Batch Loader::make_batch(size_t b) {
   const size_t bs = size_t(opt_.batch_size);
   const size_t begin = b * bs, end = std::min(order_.size(), begin + bs);
+  if (ds_->has_targets()) return make_detection_batch(begin, end);
   const int64_t count = int64_t(end - begin);
   auto opts = at::TensorOptions().dtype(at::kByte).pinned_memory(opt_.pin_memory);
   Batch out;
@@ -206,6 +223,44 @@ Batch Loader::make_batch(size_t b) {
     out.labels = out.labels.narrow(0, 0, filled);
     out.indices = out.indices.narrow(0, 0, filled);
   }
+  return out;
+}
+
+Batch Loader::make_detection_batch(size_t begin, size_t end) {
+  Batch out;
+  std::vector<cv::Mat> images;
+  std::vector<int64_t> ids;
+  for (size_t k = begin; k < end; ++k) {
+    const size_t idx = size_t(order_[k]);
+    auto rng = sample_rng(opt_.seed, uint64_t(epoch_), idx);
+    cv::Mat img;
+    try {
+      std::string bytes;
+      ds_->encoded(idx, bytes);
+      img = decode_image(bytes, ds_->describe(idx));  // the whole image: the model resizes it
+    } catch (const DecodeError& e) {
+      std::lock_guard<std::mutex> lk(warn_mu_);
+      if (warned_.insert(idx).second) log::warn("skipping unreadable image: {}", e.what());
+      ++out.skipped;
+      continue;
+    }
+    if (img.channels() == 1 && tc_.channels == 3) cv::cvtColor(img, img, cv::COLOR_GRAY2RGB);  // PIL's convert("RGB")
+    BoxTarget t = ds_->target(idx);
+    if (tc_.train && !tc_.no_aug) random_hflip(img, t, tc_.hflip, rng);
+    // GeneralizedRCNNTransform's torch_choice of the training min size, drawn here per sample
+    if (!tc_.min_sizes.empty())
+      t.min_size = tc_.train && tc_.min_sizes.size() > 1
+                       ? tc_.min_sizes[size_t(randint(rng, 0, int64_t(tc_.min_sizes.size()) - 1))]
+                       : tc_.min_sizes.back();
+    images.push_back(std::move(img));
+    out.targets.push_back(std::move(t));
+    ids.push_back(int64_t(idx));
+  }
+  auto padded = pad_collate(images, 32);
+  out.images = opt_.pin_memory ? padded.images.pin_memory() : padded.images;
+  out.sizes = padded.sizes;
+  out.indices = torch::tensor(ids, torch::kLong);
+  out.labels = torch::empty({0}, torch::kLong);
   return out;
 }
 

@@ -2,6 +2,8 @@
 // delivered in order. Batches are uint8 NHWC; normalisation happens on the training device.
 // Each sample's augmentation randomness comes from (seed, epoch, index), so batches are the same
 // for any thread count. Unreadable images are skipped, warned once by name and counted.
+// Datasets with targets (detection) give pad-collated batches of whole images at their own size
+// (flipped with their boxes and masks, each with its drawn resize target), grouped by aspect ratio.
 #pragma once
 #include "data/dataset.h"
 #include "data/target.h"
@@ -47,12 +49,23 @@ struct LoaderOptions {
   // Sharded datasets, shuffled: shards are permuted (seed + epoch) and dealt to ranks, and samples
   // pass through a shuffle buffer of this size, so reads stay sequential within a shard.
   int64_t shuffle_buffer = 2048;
+  // Datasets with targets (detection): torchvision's GroupedBatchSampler over this rank's share
+  // with aspect-ratio groups of factor k (--aspect-ratio-group-factor; < 0 = plain batches), or
+  // Detectron2's two buckets (landscape / the rest).
+  int64_t aspect_ratio_group_factor = -1;
+  bool two_bucket_grouping = false;
+  // DistributedSampler's padding (every rank the same count, the order's start repeated). Off for
+  // sharded evaluation: rank r takes r, r + W, ... and no image is seen twice.
+  bool pad_shares = true;
 };
 
 // The shard-aware training order of rank r of W (see LoaderOptions::shuffle_buffer), `n` samples
 // long (wrapped or cut so that every rank has the same number of batches).
 std::vector<int64_t> shard_order(const std::vector<size_t>& starts, uint64_t seed, int64_t epoch, int64_t rank,
                                  int64_t world, size_t buffer, size_t n);
+
+// Rank r's positions r, r + W, ... of `order`, no padding (ranks may differ by one sample).
+std::vector<int64_t> rank_slice(const std::vector<int64_t>& order, int64_t rank, int64_t world);
 
 // torch's DistributedSampler split of an epoch's order: padded by repeating its start to a
 // multiple of `world`, then rank r takes positions r, r + W, ... (with an unshuffled order this
@@ -84,6 +97,7 @@ class Loader {
 
  private:
   Batch make_batch(size_t b);
+  Batch make_detection_batch(size_t begin, size_t end);
   void stop_workers();
   void worker_loop();
 
@@ -93,6 +107,7 @@ class Loader {
   size_t num_batches_ = 0;
   int64_t epoch_ = 0;
   std::vector<int64_t> order_;
+  std::vector<int64_t> group_ids_;  // aspect-ratio group of each sample (grouped batching only)
   size_t next_batch_ = 0;  // consumer position
   int64_t skipped_epoch_ = 0;
 

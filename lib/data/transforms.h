@@ -31,6 +31,10 @@ struct TransformConfig {
   double color_jitter = 0.0;
   std::string interpolation = "bilinear";  // train: random | bilinear | bicubic
   double crop_pct = 0.875;
+  // Detection (datasets with targets): the shorter sides the model's resize takes, one drawn per
+  // training sample (torchvision's min_size tuple, Detectron2's ResizeShortestEdge choices); the
+  // last one for evaluation. Empty: the model's own default.
+  std::vector<int64_t> min_sizes;
 };
 
 struct CropBox {

@@ -9,6 +9,8 @@
 #endif
 #include "dist/dist.h"
 
+#include <cstring>
+
 #include "core/error.h"
 #include "core/log.h"
 
@@ -481,6 +483,19 @@ std::vector<double> Context::mean(const std::vector<double>& v) {
   all_reduce_sum_(t);
   t.div_(double(world()));
   return std::vector<double>(t.data_ptr<double>(), t.data_ptr<double>() + t.numel());
+}
+
+std::vector<std::string> Context::all_gather_bytes(const std::string& mine) {
+  const auto sizes = all_gather(at::full({1}, int64_t(mine.size()), at::kLong));
+  int64_t longest = 0;
+  for (int64_t r = 0; r < world(); ++r) longest = std::max(longest, sizes[r].item<int64_t>());
+  auto buf = at::zeros({std::max<int64_t>(longest, 1)}, at::kByte);
+  std::memcpy(buf.data_ptr<uint8_t>(), mine.data(), mine.size());
+  const auto all = all_gather(buf).contiguous();
+  std::vector<std::string> out;
+  for (int64_t r = 0; r < world(); ++r)
+    out.emplace_back(reinterpret_cast<const char*>(all[r].data_ptr<uint8_t>()), size_t(sizes[r].item<int64_t>()));
+  return out;
 }
 
 bool Context::any(bool flag) {

@@ -82,6 +82,8 @@ class Context {
   std::vector<double> mean(const std::vector<double>& v);
   // True when any rank's flag is set.
   bool any(bool flag);
+  // Every rank's bytes, in rank order (sizes first, then one padded all-gather).
+  std::vector<std::string> all_gather_bytes(const std::string& mine);
 
   // Wraps a failed collective's error: the ranks that stopped answering, from their heartbeats
   // in the store (every rank writes one each second).

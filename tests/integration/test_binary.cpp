@@ -568,3 +568,22 @@ TEST_CASE("evaluate-coco prints pycocotools' summary lines and refuses bad files
   CHECK_THAT(missing.output, Catch::Contains("none.json"));
   CHECK(test::run(bin + " evaluate-coco --gt a --results b --iou-type keypoints").code == 2);
 }
+
+TEST_CASE("coco-info counts a dataset, its training view and missing images", "[coco]") {
+  const std::string gt = std::string(IMGTRAIN_PARITY_DIR) + "/coco_eval/gt.json";
+  const std::string bin = IMGTRAIN_BIN;
+  auto r = test::run(bin + " coco-info --ann " + gt);
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK_THAT(r.output, Catch::Contains("Loaded 48 images") && Catch::Contains("Training view: "));
+  test::TempDir imgs("cocoinfo");
+  test::write_file(imgs / "x.txt", "");
+  auto m = test::run(bin + " coco-info --ann " + gt + " --images " + imgs.path.string());
+  CHECK(m.code == 1);
+  CHECK_THAT(m.output, Catch::Contains("48 of 48 images are missing from"));
+  test::write_file(imgs / "broken.json", "[1, 2");
+  auto b = test::run(bin + " coco-info --ann " + (imgs / "broken.json"));
+  CHECK(b.code == 2);
+  CHECK_THAT(b.output, Catch::StartsWith("imgtrain: error: ") && Catch::Contains("broken.json"));
+  CHECK(test::run(bin + " coco-info").code == 2);
+}

@@ -6,6 +6,7 @@
 #endif
 #include "core/batch_norm.h"
 #include "dist/dist.h"
+#include "two_ranks.h"
 
 #include <catch2/catch.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -15,41 +16,6 @@
 
 using namespace imgtrain;
 
-namespace {
-
-// Runs f(rank, ctx) on two threads that form one job; returns when both are done.
-void two_ranks(const std::function<void(int, dist::Context&)>& f) {
-  c10d::TCPStoreOptions so;
-  so.port = 0;
-  so.isServer = true;
-  so.waitWorkers = false;
-  auto server = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
-  auto body = [&](int rank) {
-    dist::DistEnv env;
-    env.rank = rank;
-    env.world_size = 2;
-    env.local_rank = rank;
-    env.local_world_size = 2;
-    env.master_port = server->getPort();
-    env.use_agent_store = true;
-    env.run_id = "unit";
-    auto ctx = dist::Context::init(env, {});
-    f(rank, *ctx);
-  };
-  std::exception_ptr err;
-  std::thread t([&] {
-    try {
-      body(1);
-    } catch (...) {
-      err = std::current_exception();
-    }
-  });
-  body(0);
-  t.join();
-  if (err) std::rethrow_exception(err);
-}
-
-}  // namespace
 
 TEST_CASE("SyncBatchNorm on 2 ranks equals BatchNorm on the union batch (float64)", "[dist]") {
   torch::manual_seed(3);
@@ -67,7 +33,7 @@ TEST_CASE("SyncBatchNorm on 2 ranks equals BatchNorm on the union batch (float64
   auto xr = x.clone().requires_grad_(true);
   (ref(xr) * dy).sum().backward();
   std::vector<at::Tensor> gx(2), gw(2), gb(2), rm(2), rv(2);
-  two_ranks([&](int rank, dist::Context& ctx) {
+  test::two_ranks([&](int rank, dist::Context& ctx) {
     BatchNorm2d bn(3);
     bn->to(torch::kFloat64);
     {
@@ -105,7 +71,7 @@ TEST_CASE("the reducer averages gradients over ranks and skips no-sync micro-ste
   torch::nn::functional::mse_loss(ref(x), y).backward();
   std::vector<at::Tensor> gw(2), gw_local(2);
   std::vector<int64_t> reduces(2);
-  two_ranks([&](int rank, dist::Context& ctx) {
+  test::two_ranks([&](int rank, dist::Context& ctx) {
     torch::manual_seed(100 + rank);  // different initial weights: broadcast_model makes them rank 0's
     torch::nn::Linear m(6, 2);
     m->to(torch::kFloat64);

@@ -400,6 +400,12 @@ EvalResult evaluate(const Dataset& gt, const Dataset& dt, const EvalParams& para
   return res;
 }
 
+const std::array<const char*, 12>& stat_names() {
+  static const std::array<const char*, 12> n = {"AP",  "AP50", "AP75",  "APs", "APm", "APl",
+                                                "AR1", "AR10", "AR100", "ARs", "ARm", "ARl"};
+  return n;
+}
+
 std::string format_summary(const EvalResult& r) {
   const EvalParams& p = r.params;
   std::string out;

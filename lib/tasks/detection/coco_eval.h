@@ -55,6 +55,10 @@ struct EvalResult {
 // load_results(gt, ...). For segm, masks are made as annToRLE makes them (ann_to_rle).
 EvalResult evaluate(const Dataset& gt, const Dataset& dt, const EvalParams& params = {});
 
+// The names of COCOeval.stats' 12 entries: AP, AP50, AP75, APs, APm, APl, AR1, AR10, AR100, ARs,
+// ARm, ARl.
+const std::array<const char*, 12>& stat_names();
+
 // The 12 lines summarize() prints, each ending in '\n', e.g.
 // " Average Precision  (AP) @[ IoU=0.50:0.95 | area=   all | maxDets=100 ] = 0.378".
 std::string format_summary(const EvalResult& r);
