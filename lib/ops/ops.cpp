@@ -1,0 +1,325 @@
+#include "ops/ops.h"
+
+#include <ATen/Parallel.h>
+#include <torch/autograd.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <vector>
+
+namespace imgtrain::ops {
+namespace {
+
+at::Tensor upcast(const at::Tensor& t) {
+  return t.is_floating_point() && t.element_size() < 4 ? t.to(at::kFloat) : t;
+}
+
+// Runs `f` on CPU copies of CUDA inputs (no device kernels yet) and in float32 for half inputs.
+at::Tensor host(const at::Tensor& t) { return t.device().is_cpu() ? t : t.to(at::kCPU); }
+
+// ---- RoIAlign ---------------------------------------------------------------------------------
+
+// The four bilinear taps of the point (y, x) on an h x w map (offsets and weights); false when the
+// point lies more than one pixel outside the map (it then contributes nothing).
+template <typename T>
+struct Taps {
+  int64_t yl, yh, xl, xh;
+  T w1, w2, w3, w4;
+};
+
+template <typename T>
+bool bilinear_taps(int64_t h, int64_t w, T y, T x, Taps<T>& t) {
+  if (y < -1.0 || y > h || x < -1.0 || x > w) return false;
+  if (y <= 0) y = 0;
+  if (x <= 0) x = 0;
+  t.yl = int64_t(y);
+  t.xl = int64_t(x);
+  if (t.yl >= h - 1) {
+    t.yh = t.yl = h - 1;
+    y = T(t.yl);
+  } else {
+    t.yh = t.yl + 1;
+  }
+  if (t.xl >= w - 1) {
+    t.xh = t.xl = w - 1;
+    x = T(t.xl);
+  } else {
+    t.xh = t.xl + 1;
+  }
+  const T ly = y - T(t.yl), lx = x - T(t.xl);
+  const T hy = T(1. - ly), hx = T(1. - lx);
+  t.w1 = hy * hx;
+  t.w2 = hy * lx;
+  t.w3 = ly * hx;
+  t.w4 = ly * lx;
+  return true;
+}
+
+// One RoI's geometry: start, bin sizes and samples per bin, in the kernel's precision.
+template <typename T>
+struct RoiGeom {
+  int64_t batch;
+  T start_h, start_w, bin_h, bin_w;
+  int64_t grid_h, grid_w;
+  T count;
+  T sample_y(int64_t ph, int64_t iy) const {
+    return start_h + T(ph) * bin_h + T(float(iy) + .5f) * bin_h / T(grid_h);
+  }
+  T sample_x(int64_t pw, int64_t ix) const {
+    return start_w + T(pw) * bin_w + T(float(ix) + .5f) * bin_w / T(grid_w);
+  }
+};
+
+template <typename T>
+RoiGeom<T> roi_geom(const T* r, double scale, int64_t ph, int64_t pw, int64_t sampling, bool aligned) {
+  RoiGeom<T> g;
+  g.batch = int64_t(r[0]);
+  const T off = aligned ? T(0.5) : T(0.0);
+  // the scale is a double: the products are taken in double and rounded once, as torchvision does
+  g.start_w = T(double(r[1]) * scale - double(off));
+  g.start_h = T(double(r[2]) * scale - double(off));
+  const T end_w = T(double(r[3]) * scale - double(off)), end_h = T(double(r[4]) * scale - double(off));
+  T rw = end_w - g.start_w, rh = end_h - g.start_h;
+  if (!aligned) {  // torchvision's legacy behaviour: RoIs at least 1x1
+    rw = std::max(rw, T(1));
+    rh = std::max(rh, T(1));
+  }
+  g.bin_h = rh / T(ph);
+  g.bin_w = rw / T(pw);
+  g.grid_h = sampling > 0 ? sampling : int64_t(std::ceil(rh / T(ph)));
+  g.grid_w = sampling > 0 ? sampling : int64_t(std::ceil(rw / T(pw)));
+  g.count = T(std::max<int64_t>(g.grid_h * g.grid_w, 1));
+  return g;
+}
+
+template <typename T>
+void roi_align_forward_cpu(const at::Tensor& in, const at::Tensor& rois, double scale, int64_t ph, int64_t pw,
+                           int64_t sampling, bool aligned, at::Tensor& out) {
+  const int64_t C = in.size(1), H = in.size(2), W = in.size(3), K = rois.size(0);
+  const T* x = in.data_ptr<T>();
+  const T* r = rois.data_ptr<T>();
+  T* y = out.data_ptr<T>();
+  at::parallel_for(0, K, 1, [&](int64_t k0, int64_t k1) {
+    std::vector<Taps<T>> taps;
+    std::vector<uint8_t> inside;
+    for (int64_t k = k0; k < k1; ++k) {
+      const auto g = roi_geom(r + k * 5, scale, ph, pw, sampling, aligned);
+      // the taps are the same for every channel: computed once per RoI
+      const int64_t per_bin = g.grid_h * g.grid_w;
+      taps.resize(size_t(ph * pw * per_bin));
+      inside.assign(taps.size(), 0);
+      size_t t = 0;
+      for (int64_t i = 0; i < ph; ++i)
+        for (int64_t j = 0; j < pw; ++j)
+          for (int64_t iy = 0; iy < g.grid_h; ++iy) {
+            const T yy = g.sample_y(i, iy);
+            for (int64_t ix = 0; ix < g.grid_w; ++ix, ++t) inside[t] = bilinear_taps(H, W, yy, g.sample_x(j, ix), taps[t]);
+          }
+      for (int64_t c = 0; c < C; ++c) {
+        const T* plane = x + (g.batch * C + c) * H * W;
+        T* o = y + (k * C + c) * ph * pw;
+        size_t t2 = 0;
+        for (int64_t b = 0; b < ph * pw; ++b) {
+          T v = 0;
+          for (int64_t s = 0; s < per_bin; ++s, ++t2) {
+            if (!inside[t2]) continue;
+            const auto& q = taps[t2];
+            v += q.w1 * plane[q.yl * W + q.xl] + q.w2 * plane[q.yl * W + q.xh] + q.w3 * plane[q.yh * W + q.xl] +
+                 q.w4 * plane[q.yh * W + q.xh];
+          }
+          o[b] = v / g.count;
+        }
+      }
+    }
+  });
+}
+
+template <typename T>
+void roi_align_backward_cpu(const at::Tensor& grad, const at::Tensor& rois, double scale, int64_t ph, int64_t pw,
+                            int64_t sampling, bool aligned, at::Tensor& gin) {
+  const int64_t C = gin.size(1), H = gin.size(2), W = gin.size(3), K = rois.size(0);
+  const T* go = grad.data_ptr<T>();
+  const T* r = rois.data_ptr<T>();
+  T* gi = gin.data_ptr<T>();
+  // Channels are independent: each thread owns whole channels, so every element's gradient is
+  // summed in the same (RoI, bin, sample) order whatever the thread count.
+  at::parallel_for(0, C, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t k = 0; k < K; ++k) {
+      const auto g = roi_geom(r + k * 5, scale, ph, pw, sampling, aligned);
+      for (int64_t c = c0; c < c1; ++c) {
+        T* plane = gi + (g.batch * C + c) * H * W;
+        const T* o = go + (k * C + c) * ph * pw;
+        for (int64_t i = 0; i < ph; ++i)
+          for (int64_t j = 0; j < pw; ++j) {
+            const T gbin = o[i * pw + j];
+            for (int64_t iy = 0; iy < g.grid_h; ++iy) {
+              const T yy = g.sample_y(i, iy);
+              for (int64_t ix = 0; ix < g.grid_w; ++ix) {
+                Taps<T> q;
+                if (!bilinear_taps(H, W, yy, g.sample_x(j, ix), q)) continue;
+                plane[q.yl * W + q.xl] += gbin * q.w1 / g.count;
+                plane[q.yl * W + q.xh] += gbin * q.w2 / g.count;
+                plane[q.yh * W + q.xl] += gbin * q.w3 / g.count;
+                plane[q.yh * W + q.xh] += gbin * q.w4 / g.count;
+              }
+            }
+          }
+      }
+    }
+  });
+}
+
+void check_roi_align(const at::Tensor& input, const at::Tensor& rois, int64_t ph, int64_t pw) {
+  if (input.dim() != 4) throw std::invalid_argument("roi_align: input must be [N, C, H, W]");
+  if (rois.dim() != 2 || rois.size(1) != 5) throw std::invalid_argument("roi_align: rois must be [K, 5]");
+  if (ph <= 0 || pw <= 0) throw std::invalid_argument("roi_align: the output size must be positive");
+}
+
+struct RoiAlignArgs {
+  double scale;
+  int64_t ph, pw, sampling;
+  bool aligned;
+};
+
+at::Tensor roi_align_forward(const at::Tensor& input, const at::Tensor& rois, const RoiAlignArgs& a) {
+  auto x = host(input).contiguous();
+  auto r = host(rois).to(x.scalar_type()).contiguous();
+  auto out = at::zeros({r.size(0), x.size(1), a.ph, a.pw}, x.options());
+  if (r.size(0) && x.numel())
+    AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "roi_align_forward", [&] {
+      roi_align_forward_cpu<scalar_t>(x, r, a.scale, a.ph, a.pw, a.sampling, a.aligned, out);
+    });
+  return out.to(input.device());
+}
+
+at::Tensor roi_align_backward(const at::Tensor& grad, const at::Tensor& rois, at::IntArrayRef in_shape,
+                              const RoiAlignArgs& a, const at::Device& dev) {
+  auto g = host(grad).contiguous();
+  auto r = host(rois).to(g.scalar_type()).contiguous();
+  auto gin = at::zeros(in_shape, g.options());
+  if (r.size(0) && gin.numel())
+    AT_DISPATCH_FLOATING_TYPES(g.scalar_type(), "roi_align_backward", [&] {
+      roi_align_backward_cpu<scalar_t>(g, r, a.scale, a.ph, a.pw, a.sampling, a.aligned, gin);
+    });
+  return gin.to(dev);
+}
+
+struct RoiAlignFn : public torch::autograd::Function<RoiAlignFn> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input, const at::Tensor& rois,
+                            double scale, int64_t ph, int64_t pw, int64_t sampling, bool aligned) {
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["ph"] = ph;
+    ctx->saved_data["pw"] = pw;
+    ctx->saved_data["sampling"] = sampling;
+    ctx->saved_data["aligned"] = aligned;
+    ctx->saved_data["shape"] = input.sizes().vec();
+    ctx->save_for_backward({rois});
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return roi_align_forward(input, rois, {scale, ph, pw, sampling, aligned});
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto rois = ctx->get_saved_variables()[0];
+    const RoiAlignArgs a{ctx->saved_data["scale"].toDouble(), ctx->saved_data["ph"].toInt(),
+                         ctx->saved_data["pw"].toInt(), ctx->saved_data["sampling"].toInt(),
+                         ctx->saved_data["aligned"].toBool()};
+    const auto shape = ctx->saved_data["shape"].toIntVector();
+    auto gin = roi_align_backward(grads[0], rois, shape, a, grads[0].device());
+    return {gin, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// ---- NMS --------------------------------------------------------------------------------------
+
+template <typename T>
+at::Tensor nms_cpu(const at::Tensor& dets, const at::Tensor& scores, double thr) {
+  const auto x1t = dets.select(1, 0).contiguous(), y1t = dets.select(1, 1).contiguous();
+  const auto x2t = dets.select(1, 2).contiguous(), y2t = dets.select(1, 3).contiguous();
+  const auto areas_t = (x2t - x1t) * (y2t - y1t);
+  const auto order_t = std::get<1>(scores.sort(/*stable=*/true, /*dim=*/0, /*descending=*/true));
+  const int64_t n = dets.size(0);
+  const T *x1 = x1t.data_ptr<T>(), *y1 = y1t.data_ptr<T>(), *x2 = x2t.data_ptr<T>(), *y2 = y2t.data_ptr<T>();
+  const T* areas = areas_t.data_ptr<T>();
+  const int64_t* order = order_t.data_ptr<int64_t>();
+  std::vector<uint8_t> suppressed(size_t(n), 0);
+  std::vector<int64_t> keep;
+  for (int64_t a = 0; a < n; ++a) {
+    const int64_t i = order[a];
+    if (suppressed[size_t(i)]) continue;
+    keep.push_back(i);
+    for (int64_t b = a + 1; b < n; ++b) {
+      const int64_t j = order[b];
+      if (suppressed[size_t(j)]) continue;
+      const T w = std::max(T(0), std::min(x2[i], x2[j]) - std::max(x1[i], x1[j]));
+      const T h = std::max(T(0), std::min(y2[i], y2[j]) - std::max(y1[i], y1[j]));
+      const T inter = w * h;
+      if (inter / (areas[i] + areas[j] - inter) > thr) suppressed[size_t(j)] = 1;
+    }
+  }
+  return torch::tensor(keep, torch::kLong);
+}
+
+}  // namespace
+
+at::Tensor box_area(const at::Tensor& boxes) {
+  const auto b = upcast(boxes);
+  return (b.select(-1, 2) - b.select(-1, 0)) * (b.select(-1, 3) - b.select(-1, 1));
+}
+
+at::Tensor box_iou(const at::Tensor& boxes1, const at::Tensor& boxes2) {
+  const auto a1 = box_area(boxes1), a2 = box_area(boxes2);
+  const auto lt = at::max(boxes1.unsqueeze(-2).narrow(-1, 0, 2), boxes2.unsqueeze(-3).narrow(-1, 0, 2));
+  const auto rb = at::min(boxes1.unsqueeze(-2).narrow(-1, 2, 2), boxes2.unsqueeze(-3).narrow(-1, 2, 2));
+  const auto wh = upcast(rb - lt).clamp_min(0);
+  const auto inter = wh.select(-1, 0) * wh.select(-1, 1);
+  const auto uni = a1.unsqueeze(-1) + a2.unsqueeze(-2) - inter;
+  return inter / uni;
+}
+
+at::Tensor nms(const at::Tensor& boxes, const at::Tensor& scores, double iou_threshold) {
+  if (boxes.dim() != 2 || boxes.size(1) != 4) throw std::invalid_argument("nms: boxes must be [N, 4]");
+  if (scores.dim() != 1 || scores.size(0) != boxes.size(0))
+    throw std::invalid_argument("nms: scores must be [N] for N boxes");
+  if (boxes.numel() == 0) return at::empty({0}, boxes.options().dtype(at::kLong));
+  auto b = host(upcast(boxes)).contiguous();
+  auto s = host(upcast(scores)).to(b.scalar_type()).contiguous();
+  at::Tensor keep;
+  AT_DISPATCH_FLOATING_TYPES(b.scalar_type(), "nms", [&] { keep = nms_cpu<scalar_t>(b, s, iou_threshold); });
+  return keep.to(boxes.device());
+}
+
+at::Tensor batched_nms(const at::Tensor& boxes, const at::Tensor& scores, const at::Tensor& idxs, double iou_threshold) {
+  if (boxes.numel() == 0) return at::empty({0}, boxes.options().dtype(at::kLong));
+  const int64_t limit = boxes.device().is_cpu() ? 4000 : 100000;
+  if (boxes.numel() > limit) {
+    // torchvision's _batched_nms_vanilla: NMS per category, the kept ones by decreasing score
+    auto keep_mask = at::zeros_like(scores, scores.options().dtype(at::kBool));
+    const auto classes = std::get<0>(at::_unique(idxs));
+    for (int64_t c = 0; c < classes.size(0); ++c) {
+      const auto cur = at::where(idxs == classes[c])[0];
+      const auto k = nms(boxes.index_select(0, cur), scores.index_select(0, cur), iou_threshold);
+      keep_mask.index_put_({cur.index_select(0, k)}, true);
+    }
+    const auto keep = at::where(keep_mask)[0];
+    return keep.index_select(0, std::get<1>(scores.index_select(0, keep).sort(/*dim=*/0, /*descending=*/true)));
+  }
+  // the coordinate trick: boxes of different categories moved apart so they never overlap
+  const auto max_coordinate = boxes.max();
+  const auto offsets = idxs.to(boxes) * (max_coordinate + at::ones({}, boxes.options()));
+  return nms(boxes + offsets.unsqueeze(1), scores, iou_threshold);
+}
+
+at::Tensor roi_align(const at::Tensor& input, const at::Tensor& rois, double spatial_scale, int64_t pooled_h,
+                     int64_t pooled_w, int64_t sampling_ratio, bool aligned) {
+  check_roi_align(input, rois, pooled_h, pooled_w);
+  if (input.scalar_type() == at::kFloat || input.scalar_type() == at::kDouble)
+    return RoiAlignFn::apply(input, rois, spatial_scale, pooled_h, pooled_w, sampling_ratio, aligned);
+  // half / bfloat16 (autocast's outputs): float32 inside, the input's dtype out
+  return RoiAlignFn::apply(input.to(at::kFloat), rois.to(at::kFloat), spatial_scale, pooled_h, pooled_w,
+                           sampling_ratio, aligned)
+      .to(input.scalar_type());
+}
+
+}  // namespace imgtrain::ops

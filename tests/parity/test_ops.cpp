@@ -1,0 +1,74 @@
+// The detection ops against torchvision.ops (references from make_ops_refs.py): nms and
+// batched_nms keep the same indices in the same order, box_iou and roi_align (forward and input
+// gradient) are bitwise equal, on random inputs with ties, degenerate and out-of-image boxes.
+#include "io/safetensors.h"
+#include "ops/ops.h"
+
+#include <catch2/catch.hpp>
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+using namespace imgtrain;
+
+namespace {
+const io::SafeTensors& refs() {
+  static const auto r = io::load_safetensors(std::string(IMGTRAIN_PARITY_DIR) + "/ops/ops.safetensors");
+  return r;
+}
+at::Tensor get(const std::string& k) {
+  const at::Tensor* t = refs().find(k);
+  if (!t) throw std::runtime_error("missing reference " + k);
+  return *t;
+}
+}  // namespace
+
+TEST_CASE("nms and batched_nms keep what torchvision keeps, in its order", "[parity][ops]") {
+  int cases = 0;
+  for (int i = 0; refs().find(fmt::format("nms{}_boxes", i)); ++i, ++cases) {
+    const auto b = get(fmt::format("nms{}_boxes", i)), s = get(fmt::format("nms{}_scores", i));
+    const auto c = get(fmt::format("nms{}_idxs", i));
+    for (int thr : {3, 5, 7}) {
+      INFO("case " << i << " (" << b.size(0) << " boxes) threshold 0." << thr);
+      CHECK(torch::equal(ops::nms(b, s, thr / 10.0), get(fmt::format("nms{}_keep_{}", i, thr))));
+      CHECK(torch::equal(ops::batched_nms(b, s, c, thr / 10.0), get(fmt::format("nms{}_bkeep_{}", i, thr))));
+    }
+  }
+  CHECK(cases == 6);
+  CHECK_THROWS(ops::nms(torch::zeros({3, 4}), torch::zeros({2}), 0.5));
+}
+
+TEST_CASE("box_iou equals torchvision's", "[parity][ops]") {
+  // degenerate boxes against each other give 0 / 0 = NaN in both: equal to the bit, NaN included
+  const auto got = ops::box_iou(get("iou_a"), get("iou_b")), want = get("iou_ab");
+  CHECK(torch::isnan(want).sum().item<int64_t>() > 0);
+  CHECK(torch::equal(torch::isnan(got), torch::isnan(want)));
+  CHECK(torch::allclose(got, want, /*rtol=*/0, /*atol=*/0, /*equal_nan=*/true));
+}
+
+TEST_CASE("roi_align forward and input gradient equal torchvision's", "[parity][ops]") {
+  int cases = 0;
+  for (int i = 0; refs().find(fmt::format("ra{}_x", i)); ++i, ++cases) {
+    const std::string p = fmt::format("ra{}_", i);
+    const auto a = get(p + "args");
+    const double scale = a[0].item<double>();
+    const int64_t ph = int64_t(a[1].item<double>()), pw = int64_t(a[2].item<double>());
+    const int64_t sampling = int64_t(a[3].item<double>());
+    const bool aligned = a[4].item<double>() != 0;
+    INFO("case " << i << " " << get(p + "x").scalar_type() << " scale " << scale << " " << ph << "x" << pw
+                 << " sampling " << sampling << " aligned " << aligned);
+    auto x = get(p + "x").clone().requires_grad_();
+    auto y = ops::roi_align(x, get(p + "rois"), scale, ph, pw, sampling, aligned);
+    CHECK(torch::equal(y, get(p + "y")));
+    auto gx = torch::autograd::grad({y}, {x}, {get(p + "gy")})[0];
+    const auto want = get(p + "gx");
+    CHECK(torch::allclose(gx, want, 1e-6, 1e-6));
+    CHECK(torch::equal(gx, want));
+  }
+  CHECK(cases == 36);
+  // half precision (autocast's output) runs in float32 and comes back as half
+  auto xh = get("ra0_x").to(torch::kHalf);
+  auto yh = ops::roi_align(xh, get("ra0_rois"), 1.0, 7, 7, 0, false);
+  CHECK(yh.scalar_type() == torch::kHalf);
+  CHECK(torch::allclose(yh.to(torch::kFloat), ops::roi_align(xh.to(torch::kFloat), get("ra0_rois"), 1.0, 7, 7, 0, false).to(torch::kHalf).to(torch::kFloat)));
+  CHECK_THROWS(ops::roi_align(torch::zeros({1, 1, 4}), torch::zeros({1, 5}), 1.0, 2, 2, 0, false));
+}
