@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <sstream>
 #include <string>
 #include <netinet/in.h>
@@ -12,6 +13,17 @@
 #include <unistd.h>
 
 namespace test {
+
+// The message of the exception of type E that f throws ("" when it throws none).
+template <typename E>
+std::string error_text(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const E& e) {
+    return e.what();
+  }
+  return "";
+}
 
 // A fresh folder under the system temp dir, removed when the object dies.
 struct TempDir {

@@ -248,6 +248,15 @@ int evaluate_coco(const std::vector<std::string>& args) {
   } catch (const std::exception& e) {  // the readers' errors name the file and the problem
     throw UserError(e.what());
   }
+  if (iou != "bbox") {
+    size_t no_mask = 0;
+    for (auto& a : gt.annotations) no_mask += a.seg == coco::SegKind::none;
+    if (no_mask)
+      std::fprintf(stderr,
+                   "imgtrain: warning: %zu ground-truth annotation(s) have no usable segmentation: segm scores them as "
+                   "empty masks (pycocotools stops with a KeyError on such a file)\n",
+                   no_mask);
+  }
   nlohmann::ordered_json out;
   for (const std::string type : {"bbox", "segm"}) {
     if (iou != "both" && iou != type) continue;

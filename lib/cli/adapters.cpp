@@ -47,6 +47,7 @@ data::LoaderOptions loader_options(const Config& cfg) {
   lo.batch_size = cfg.batch_size;
   lo.shuffle = true;
   lo.drop_last = true;
+  lo.refill_unreadable = true;  // training; evaluation turns it off
   lo.workers = cfg.workers;
   lo.seed = uint64_t(cfg.seed);
   lo.repeats = cfg.aug_repeats;

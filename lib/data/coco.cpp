@@ -5,6 +5,8 @@
 #include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <algorithm>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <sstream>
@@ -209,7 +211,7 @@ std::string name_of(const json& o, size_t index) {
 
 // Reads a segmentation (polygons, or RLE with compressed or uncompressed counts) into `a`.
 // Returns an empty string when fine, else the kind of problem (the detail goes to `detail`).
-std::string read_segmentation(const json& s, Annotation& a, std::string& detail) {
+std::string read_segmentation(const json& s, Annotation& a, std::string& detail, bool* odd = nullptr) {
   if (s.is_array()) {
     if (s.empty()) return {};  // no mask given
     a.polygons.reserve(s.size());
@@ -222,7 +224,7 @@ std::string read_segmentation(const json& s, Annotation& a, std::string& detail)
         xy.push_back(v.get<double>());
         if (!std::isfinite(xy.back())) return "a polygon that is not a list of numbers";
       }
-      if (xy.size() % 2) return "a polygon with an odd number of coordinates";
+      if (xy.size() % 2 && odd) *odd = true;  // pycocotools' frPoly reads len / 2 points: the last is ignored
       a.polygons.push_back(std::move(xy));
     }
     a.seg = SegKind::polygons;
@@ -308,9 +310,19 @@ Dataset read_dataset(Input& in, const std::string& name, const LoadOptions& opt)
         else return issues.add("annotations skipped: iscrowd is not a number", item);
       }
       if (auto sg = e.find("segmentation"); sg != e.end() && !sg->is_null()) {
-        std::string detail, bad = read_segmentation(*sg, a, detail);
-        if (!bad.empty())
-          return issues.add("annotations skipped: " + bad, detail.empty() ? item : item + " (" + detail + ")");
+        bool odd = false;
+        std::string detail, bad = read_segmentation(*sg, a, detail, &odd);
+        if (!bad.empty()) {
+          // pycocotools' bbox evaluation never reads the segmentation: the box and crowd flag still count
+          a.seg = SegKind::none;
+          a.polygons.clear();
+          a.rle = {};
+          issues.add("annotations kept without their segmentation (" + bad + "; segm scores an empty mask)",
+                     detail.empty() ? item : item + " (" + detail + ")", false);
+        }
+        if (odd)
+          issues.add("annotations with a polygon of an odd number of coordinates: the last one ignored, as pycocotools",
+                     item, false);
         if (a.seg == SegKind::polygons && a.polygons[0].size() <= 4)
           issues.add("annotations kept whose first polygon has under 3 points (pycocotools cannot rasterise them)",
                      item, false);
@@ -360,8 +372,10 @@ Dataset read_dataset(Input& in, const std::string& name, const LoadOptions& opt)
       continue;
     }
     if (a.seg == SegKind::rle && (a.rle.h != im->height || a.rle.w != im->width)) {
-      issues.add("annotations skipped: RLE size differs from the image size", item);
-      continue;
+      a.seg = SegKind::none;  // the box still counts (bbox evaluation and training)
+      a.rle = {};
+      issues.add("annotations kept without their segmentation (an RLE whose size differs from the image size; segm "
+                 "scores an empty mask)", item, false);
     }
     if (!ann_ids.insert(a.id).second) issues.add("annotations with a duplicate id (kept)", item, false);
     if (out != i) d.annotations[out] = std::move(a);
@@ -399,7 +413,8 @@ Dataset read_results(const Dataset& gt, Input& in, const std::string& name) {
     Annotation a;
     if (!get_id(e, "image_id", a.image_id)) return issues.add("results skipped: no integer image_id", item);
     if (!gt.image(a.image_id)) {
-      if (foreign.size() < 5) foreign.push_back(a.image_id);
+      if (foreign.size() < 5 && std::find(foreign.begin(), foreign.end(), a.image_id) == foreign.end())
+        foreign.push_back(a.image_id);  // distinct ids
       ++n_foreign;
       return;
     }
@@ -433,7 +448,7 @@ Dataset read_results(const Dataset& gt, Input& in, const std::string& name) {
     for (size_t i = 0; i < foreign.size(); ++i) ids += (i ? ", " : "") + std::to_string(foreign[i]);
     throw std::runtime_error(name + ": " + std::to_string(n_foreign) +
                              " results are for images that are not in the ground truth " + gt.path + " (image ids " +
-                             ids + (n_foreign > foreign.size() ? ", ...)" : ")"));
+                             ids + (foreign.size() == 5 ? ", ...)" : ")"));
   }
   if (index == 0) throw std::runtime_error(name + ": the results list is empty: there are no detections to evaluate");
   // ids 1..N in file order, as loadRes numbers them
@@ -445,6 +460,8 @@ Dataset read_results(const Dataset& gt, Input& in, const std::string& name) {
 }
 
 std::ifstream open_file(const std::string& path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) throw std::runtime_error(path + ": a folder, not a json file");
   std::ifstream f(path, std::ios::binary);
   if (!f) throw std::runtime_error(path + ": cannot open: " + std::strerror(errno));
   return f;

@@ -354,8 +354,7 @@ Rle rle_from_bbox(const Box& bb, uint32_t h, uint32_t w) {
 }
 
 Rle rle_from_polygon(const std::vector<double>& xy, uint32_t h, uint32_t w) {
-  if (xy.size() % 2)
-    fail("rle_from_polygon: polygon has an odd number of coordinates (" + std::to_string(xy.size()) + ")");
+  // frPoly reads int(len / 2) points: an odd last value is ignored
   return from_poly(xy.data(), xy.size() / 2, h, w, "rle_from_polygon");
 }
 
@@ -369,8 +368,6 @@ Rle rle_from_polygons(const std::vector<std::vector<double>>& polys, uint32_t h,
   std::vector<Rle> rles;
   rles.reserve(polys.size());
   for (const auto& p : polys) {
-    if (p.size() % 2)
-      fail("rle_from_polygons: polygon has an odd number of coordinates (" + std::to_string(p.size()) + ")");
     rles.push_back(from_poly(p.data(), p.size() / 2, h, w, "rle_from_polygons"));
   }
   return rle_merge(rles, false);

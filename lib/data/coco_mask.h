@@ -30,8 +30,9 @@ uint64_t rle_area(const Rle& r);
 Box rle_to_bbox(const Rle& r);
 Rle rle_from_bbox(const Box& bb, uint32_t h, uint32_t w);
 // xy: x0, y0, x1, y1, ... in pixel coordinates (pycocotools frPoly / rleFrPoly).
-// As frPoly, 0, 1 or 2 points give what rleFrPoly gives (an empty mask); an odd number of
-// values or a coordinate whose 5x upsampling leaves the int range throws std::invalid_argument.
+// As frPoly, 0, 1 or 2 points give what rleFrPoly gives (an empty mask) and an odd last value is
+// ignored (len / 2 points); a coordinate whose 5x upsampling leaves the int range throws
+// std::invalid_argument.
 Rle rle_from_polygon(const std::vector<double>& xy, uint32_t h, uint32_t w);
 // Several polygons of one object merged into one mask (what frPyObjects + merge does for COCO).
 // As frPyObjects, throws when there are no polygons or the first has 4 values or fewer (it

@@ -1,6 +1,7 @@
 #include "data/dataset.h"
 
 #include "core/error.h"
+#include "core/log.h"
 #include "core/parallel.h"
 #include "data/shards.h"
 
@@ -24,6 +25,9 @@
 #include <map>
 #include <sstream>
 #include <chrono>
+#include <optional>
+#include <set>
+#include <sys/stat.h>
 #include <unistd.h>
 
 namespace fs = std::filesystem;
@@ -291,8 +295,49 @@ std::string png_without_iccp(const std::string& b, const std::string& what) {
 }
 }  // namespace
 
+std::optional<cv::Size> header_size(const std::string& b) {
+  const auto* u = reinterpret_cast<const unsigned char*>(b.data());
+  auto le16 = [&](size_t at) { return int64_t(u[at]) | int64_t(u[at + 1]) << 8; };
+  auto le24 = [&](size_t at) { return le16(at) | int64_t(u[at + 2]) << 16; };
+  auto le32 = [&](size_t at) { return int64_t(int32_t(uint32_t(le16(at)) | uint32_t(le16(at + 2)) << 16)); };
+  auto be32 = [&](size_t at) { return int64_t(u[at]) << 24 | int64_t(u[at + 1]) << 16 | int64_t(u[at + 2]) << 8 | int64_t(u[at + 3]); };
+  auto size = [](int64_t w, int64_t h) -> std::optional<cv::Size> {
+    if (w <= 0 || h <= 0 || w > INT32_MAX || h > INT32_MAX) return std::nullopt;
+    return cv::Size(int(w), int(h));
+  };
+  const std::string format = image_format(b);
+  if (is_gif(b) && b.size() >= 10) return size(le16(6), le16(8));  // the logical screen
+  if (is_jpeg(b)) {
+    try {
+      return jpeg_size(b, "");
+    } catch (const DecodeError&) {
+      return std::nullopt;
+    }
+  }
+  if (format == std::string("PNG") && b.size() >= 24) return size(be32(16), be32(20));
+  if (format == std::string("BMP") && b.size() >= 26) return size(std::abs(le32(18)), std::abs(le32(22)));
+  if (format == std::string("WebP") && b.size() >= 30) {
+    if (!b.compare(12, 4, "VP8X")) return size(le24(24) + 1, le24(27) + 1);
+    if (!b.compare(12, 4, "VP8L")) {
+      const uint32_t bits = uint32_t(le16(21)) | uint32_t(le16(23)) << 16;
+      return size((bits & 0x3fff) + 1, ((bits >> 14) & 0x3fff) + 1);
+    }
+    if (!b.compare(12, 4, "VP8 ")) return size(le16(26) & 0x3fff, le16(28) & 0x3fff);
+  }
+  return std::nullopt;
+}
+
+void check_image_pixels(int64_t width, int64_t height, const std::string& what) {
+  if (width * height > kMaxImagePixels)
+    throw DecodeError(fmt::format("'{}' is {}x{} = {} pixels, above the limit of {} (PIL's decompression-bomb "
+                                  "limit); skipped",
+                                  what, width, height, width * height, kMaxImagePixels));
+}
+
 cv::Mat decode_image(const std::string& bytes, const std::string& what) {
   if (bytes.empty()) throw DecodeError(fmt::format("cannot decode '{}': empty file", what));
+  // the size from the header, before anything is allocated (a 37-byte GIF can claim 65535 x 65535)
+  if (const auto hs = header_size(bytes)) check_image_pixels(hs->width, hs->height, what);
   if (is_gif(bytes)) return decode_gif(bytes, what);
   if (is_jpeg(bytes)) return decode_jpeg(bytes, 1, what);
   const std::string format = image_format(bytes);
@@ -378,7 +423,15 @@ bool is_image_file(const fs::path& p) {
 struct ClassScan {
   std::vector<std::string> files;
   std::vector<std::pair<std::string, int64_t>> dirs;
+  std::vector<std::string> skipped_links;  // folders reached a second time (link loops, other classes)
 };
+
+using FolderId = std::pair<uint64_t, uint64_t>;  // (device, inode)
+std::optional<FolderId> folder_id(const fs::path& p) {
+  struct stat st;
+  if (::stat(p.c_str(), &st) != 0) return std::nullopt;
+  return FolderId{uint64_t(st.st_dev), uint64_t(st.st_ino)};
+}
 
 int64_t mtime_ns(const fs::path& p) {
   std::error_code ec;
@@ -386,7 +439,10 @@ int64_t mtime_ns(const fs::path& p) {
   return ec ? -1 : int64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count());
 }
 
-ClassScan scan_class(const fs::path& dir) {
+// One class folder, recursively, following folder links. A folder is entered once: `seen` starts
+// with the split folder and every class folder, so a link back up (a loop) or into another class
+// (its images would get this class's label) is skipped and reported, and the scan stays finite.
+ClassScan scan_class(const fs::path& dir, std::set<FolderId> seen) {
   ClassScan out;
   std::error_code ec;
   out.dirs.emplace_back(dir.string(), mtime_ns(dir));
@@ -394,8 +450,17 @@ ClassScan scan_class(const fs::path& dir) {
   for (auto it = fs::recursive_directory_iterator(dir, opts, ec); it != fs::recursive_directory_iterator();
        it.increment(ec)) {
     if (ec) break;
-    if (it->is_directory(ec)) out.dirs.emplace_back(it->path().string(), mtime_ns(it->path()));
-    else if (it->is_regular_file(ec) && is_image_file(it->path())) out.files.push_back(it->path().string());
+    if (it->is_directory(ec)) {
+      const auto id = folder_id(it->path());
+      if (id && !seen.insert(*id).second) {
+        out.skipped_links.push_back(it->path().string());
+        it.disable_recursion_pending();
+        continue;
+      }
+      out.dirs.emplace_back(it->path().string(), mtime_ns(it->path()));
+    } else if (it->is_regular_file(ec) && is_image_file(it->path())) {
+      out.files.push_back(it->path().string());
+    }
   }
   std::sort(out.files.begin(), out.files.end());
   return out;
@@ -458,11 +523,20 @@ class ImageFolder : public Dataset {
       if (entry.is_directory()) classes_.push_back(entry.path().filename().string());
     std::sort(classes_.begin(), classes_.end());
     std::vector<ClassScan> found(classes_.size());
-    parallel_for(classes_.size(), 16, [&](size_t c) { found[c] = scan_class(fs::path(folder_) / classes_[c]); });
+    std::set<FolderId> tops;  // the split folder and every class folder
+    if (auto id = folder_id(folder_)) tops.insert(*id);
+    for (auto& c : classes_)
+      if (auto id = folder_id(fs::path(folder_) / c)) tops.insert(*id);
+    parallel_for(classes_.size(), 16, [&](size_t c) { found[c] = scan_class(fs::path(folder_) / classes_[c], tops); });
+    std::vector<std::string> links;
     for (size_t c = 0; c < classes_.size(); ++c) {
       for (auto& f : found[c].files) samples_.emplace_back(std::move(f), int64_t(c));
       for (auto& d : found[c].dirs) dirs_.push_back(std::move(d));
+      for (auto& l : found[c].skipped_links) links.push_back(std::move(l));
     }
+    if (!links.empty())
+      log::warn("{}: {} linked folder(s) lead back into the split or into another class and were skipped (first: {})",
+                folder_, links.size(), links.front());
   }
   // The cache holds every directory with its mtime (adding or removing a file changes its
   // folder's), the classes and the files; it is used only if every directory is unchanged.

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -52,6 +53,15 @@ IdxArray read_idx(const std::string& path);
 
 // A whole file into `bytes`; DecodeError naming it when it cannot be read.
 void read_file_bytes(const std::string& path, std::string& bytes);
+
+// PIL refuses images above 2 x Image.MAX_IMAGE_PIXELS (DecompressionBombError) and timm skips
+// them; imgtrain does the same, from the header, before decoding.
+inline constexpr int64_t kMaxImagePixels = 2 * 89478485;
+// DecodeError naming the image when width x height is above kMaxImagePixels.
+void check_image_pixels(int64_t width, int64_t height, const std::string& what);
+// An encoded image's width and height from its header (JPEG, PNG, GIF screen, BMP, WebP), without
+// decoding; nullopt for other formats or a header too short to say.
+std::optional<cv::Size> header_size(const std::string& bytes);
 
 // Decodes JPEG (TurboJPEG), PNG, BMP, WebP (OpenCV) bytes into RGB or grayscale 8-bit.
 cv::Mat decode_image(const std::string& bytes, const std::string& what);

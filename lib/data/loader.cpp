@@ -7,6 +7,8 @@
 #include <opencv2/imgproc.hpp>
 #include <torch/torch.h>
 
+#include <fmt/format.h>
+
 #include <cmath>
 
 namespace imgtrain::data {
@@ -201,19 +203,30 @@ Batch Loader::make_batch(size_t b) {
   for (size_t k = begin; k < end; ++k) {
     // Order entries are sample keys: the dataset index, plus copy * N for a repeated copy
     // (--aug-repeats), so every copy draws its own augmentation.
-    const size_t key = size_t(order_[k]), idx = key % ds_->size();
-    auto rng = sample_rng(opt_.seed, uint64_t(epoch_), key);
+    const size_t key = size_t(order_[k]);
+    size_t idx = key % ds_->size();
     cv::Mat img;
-    try {
-      std::string bytes;
-      img = ds_->encoded(idx, bytes) ? apply_transform_encoded(bytes, tc_, rng, ds_->describe(idx))
-                                     : apply_transform(ds_->image(idx), tc_, rng);
-    } catch (const DecodeError& e) {
-      std::lock_guard<std::mutex> lk(warn_mu_);
-      if (warned_.insert(idx).second) log::warn("skipping unreadable image: {}", e.what());
-      ++out.skipped;
-      continue;
+    for (int attempt = 0;; ++attempt) {
+      auto rng = sample_rng(opt_.seed, uint64_t(epoch_), key + size_t(attempt) * 0x9E3779B97F4A7C15ull);
+      try {
+        std::string bytes;
+        img = ds_->encoded(idx, bytes) ? apply_transform_encoded(bytes, tc_, rng, ds_->describe(idx))
+                                       : apply_transform(ds_->image(idx), tc_, rng);
+        break;
+      } catch (const DecodeError& e) {
+        {
+          std::lock_guard<std::mutex> lk(warn_mu_);
+          if (warned_.insert(idx).second) log::warn("skipping unreadable image: {}", e.what());
+        }
+        ++out.skipped;
+        if (!opt_.refill_unreadable) break;
+        if (attempt + 1 >= kMaxConsecutiveUnreadable)
+          throw std::runtime_error(fmt::format("{} unreadable images in a row (the last: {}); is the data readable?",
+                                               kMaxConsecutiveUnreadable, e.what()));
+        idx = (idx + 1) % ds_->size();  // timm: the next index takes its place
+      }
     }
+    if (img.empty()) continue;
     std::memcpy(dst + size_t(filled) * row, img.data, row);
     ids[filled] = int64_t(key);
     lab[filled++] = ds_->label(idx);

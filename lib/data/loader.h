@@ -57,7 +57,13 @@ struct LoaderOptions {
   // DistributedSampler's padding (every rank the same count, the order's start repeated). Off for
   // sharded evaluation: rank r takes r, r + W, ... and no image is seen twice.
   bool pad_shares = true;
+  // Training: an unreadable image is replaced by the next dataset index (timm's ImageDataset
+  // retry), so batches stay full; after kMaxConsecutiveUnreadable failures in a row the loader
+  // stops with an error naming the last file (a split that is unreadable as a whole). Off: the
+  // sample is dropped from its batch (evaluation counts each image once).
+  bool refill_unreadable = false;
 };
+inline constexpr int kMaxConsecutiveUnreadable = 50;  // timm's _ERROR_RETRY
 
 // The shard-aware training order of rank r of W (see LoaderOptions::shuffle_buffer), `n` samples
 // long (wrapped or cut so that every rank has the same number of batches).

@@ -31,7 +31,10 @@ bool is_image_ext(std::string ext) {
 bool tar_number(const char* p, size_t n, uint64_t& out) {
   out = 0;
   if (uint8_t(p[0]) & 0x80) {
-    for (size_t i = 1; i < n; ++i) out = (out << 8) | uint8_t(p[i]);
+    for (size_t i = 1; i < n; ++i) {
+      if (out >> 56) return false;  // more than 64 bits: no file is that large
+      out = (out << 8) | uint8_t(p[i]);
+    }
     return true;
   }
   size_t i = 0;
@@ -255,8 +258,12 @@ std::vector<TarMember> list_tar(const std::string& path, std::string* error) {
     uint64_t size;
     if (!tar_number(h + 124, 12, size)) return fail("bad size field", pos);
     const uint64_t data = pos + kBlock;
-    if (data + size > file_size) return fail("member extends past the end of the file (truncated)", pos);
+    // (compared without adding: a size near 2^64 must not wrap around)
+    if (size > file_size - data) return fail("member extends past the end of the file (truncated)", pos);
     const char type = h[156];
+    if ((type == 'L' || type == 'x') && size > (1u << 20))
+      return fail(fmt::format("a {}-byte {} header (at most 1 MiB is accepted)", size, type == 'L' ? "long-name" : "pax"),
+                  pos);
     if (type == 'L' || type == 'x') {  // GNU long name / pax header: the next member's name
       std::string payload(size, '\0');
       f.seekg(std::streamoff(data));

@@ -3,6 +3,7 @@
 #include "core/rng.h"
 #include "data/dataset.h"
 
+#include <fmt/format.h>
 #include <opencv2/imgproc.hpp>
 
 #include <cmath>
@@ -67,15 +68,13 @@ cv::Mat to_channels(const cv::Mat& img, int channels) {
 // Resize the shorter side to `size` keeping the aspect ratio (torchvision Resize(int)), then
 // center crop `crop` x `crop`.
 cv::Mat resize_center_crop(const cv::Mat& img, int size, int crop, const std::string& interp) {
-  int h = img.rows, w = img.cols;
-  int nh, nw;
-  if (w <= h) {
-    nw = size;
-    nh = int(int64_t(size) * h / w);
-  } else {
-    nh = size;
-    nw = int(int64_t(size) * w / h);
-  }
+  const int64_t h = img.rows, w = img.cols;
+  const int64_t nh64 = w <= h ? int64_t(size) * h / w : size, nw64 = w <= h ? size : int64_t(size) * w / h;
+  // a 1 x 1,000,000 image would become 256 x 256,000,000 here
+  if (nw64 * nh64 > kMaxImagePixels)
+    throw DecodeError(fmt::format("an image of {}x{} resized to {}x{} is above the limit of {} pixels; skipped", w, h,
+                                  nw64, nh64, kMaxImagePixels));
+  int nh = int(nh64), nw = int(nw64);
   cv::Mat r = resize_to(img, {nw, nh}, interp);
   if (crop > nh || crop > nw) {  // torchvision pads; only reachable for crop_pct > 1
     cv::Mat padded;

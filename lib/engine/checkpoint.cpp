@@ -8,6 +8,8 @@
 
 #include <filesystem>
 
+#include <unistd.h>
+
 namespace fs = std::filesystem;
 
 namespace imgtrain::engine {
@@ -15,7 +17,7 @@ namespace imgtrain::engine {
 namespace {
 void replace_with_link(const std::string& from, const std::string& to) {
   // Hard link to a temporary name, then rename over the target: readers never see it missing.
-  std::string tmp = to + ".tmp";
+  std::string tmp = to + ".tmp." + std::to_string(::getpid());
   std::error_code ec;
   fs::remove(tmp, ec);
   fs::create_hard_link(from, tmp, ec);

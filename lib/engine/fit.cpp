@@ -198,6 +198,7 @@ int fit(const cli::Config& cfg, torch::Device device, dist::Context* ctx) {
   elo.batch_size = cfg.validation_batch_size.value_or(cfg.batch_size);
   elo.shuffle = false;
   elo.drop_last = false;
+  elo.refill_unreadable = false;
   data::Loader eval_loader(r.setup.eval, r.setup.eval_transform, elo);
 
   const int64_t updates_per_epoch =

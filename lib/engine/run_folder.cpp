@@ -3,7 +3,12 @@
 #include "core/error.h"
 #include "core/log.h"
 
+#include <cerrno>
+#include <cstring>
 #include <ctime>
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
 #include <filesystem>
 #include <fstream>
 
@@ -25,6 +30,28 @@ RunFolder::RunFolder(const std::string& output, const std::string& experiment, c
   std::error_code ec;
   fs::create_directories(dir_, ec);
   if (ec) throw UserError(fmt::format("--output '{}': cannot create the folder ({})", dir_, ec.message()));
+  const std::string lock_path = dir_ + "/.lock";
+  const int fd = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0) throw UserError(fmt::format("cannot create '{}' ({})", lock_path, std::strerror(errno)));
+  lock_ = std::shared_ptr<int>(new int(fd), [](int* p) {
+    ::close(*p);
+    delete p;
+  });
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    char holder[256] = {0};
+    const ssize_t n = ::pread(fd, holder, sizeof holder - 1, 0);
+    std::string who = n > 0 ? std::string(holder, size_t(n)) : "unknown";
+    while (!who.empty() && (who.back() == '\n' || who.back() == ' ')) who.pop_back();
+    throw UserError(fmt::format("'{}' is in use by another run ({}): choose another --experiment or --output, or wait "
+                                "for it to end",
+                                dir_, who));
+  }
+  char host[256] = {0};
+  ::gethostname(host, sizeof host - 1);
+  const std::string me = fmt::format("pid {} on {}\n", ::getpid(), host);
+  if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, me.data(), me.size(), 0) < 0) {
+    // the lock holds without the note; only the message of a refused second run is poorer
+  }
   std::ofstream f(dir_ + "/args.yaml");
   f << args_yaml;
   if (!f) throw UserError(fmt::format("cannot write '{}/args.yaml'", dir_));

@@ -4,6 +4,7 @@
 #pragma once
 #include "engine/task.h"
 
+#include <memory>
 #include <string>
 
 namespace imgtrain::engine {
@@ -14,6 +15,9 @@ std::string default_experiment(const std::string& model, int64_t img_size);
 class RunFolder {
  public:
   // Creates <output or ./output/train>/<experiment> and writes args.yaml there (primary only).
+  // The primary holds an exclusive lock on the folder (<dir>/.lock, flock) while it lives: a second
+  // run into the same folder is refused in one line naming the holder (pid and host); the lock
+  // ends with the process, so --resume auto after a kill finds it free.
   RunFolder(const std::string& output, const std::string& experiment, const std::string& args_yaml, bool primary);
   const std::string& dir() const { return dir_; }
   std::string path(const std::string& name) const { return dir_ + "/" + name; }
@@ -25,6 +29,7 @@ class RunFolder {
  private:
   std::string dir_;
   bool primary_;
+  std::shared_ptr<int> lock_;  // the lock file's descriptor, closed (unlocked) with the last copy
 };
 
 }  // namespace imgtrain::engine

@@ -66,13 +66,18 @@ std::string serialize_safetensors(const std::vector<std::pair<std::string, at::T
 void save_safetensors(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                       const std::map<std::string, std::string>& metadata) {
   std::string bytes = serialize_safetensors(tensors, metadata);
-  std::string tmp = path + ".tmp";
+  // a name of this process's own: two writers of one path never share a temporary file
+  std::string tmp = path + ".tmp." + std::to_string(::getpid());
   {
     std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
     if (!f) throw UserError("cannot write '" + tmp + "'");
     f.write(bytes.data(), std::streamsize(bytes.size()));
     f.flush();
-    if (!f) throw UserError("failed writing '" + tmp + "' (disk full?)");
+    if (!f) {
+      f.close();
+      std::remove(tmp.c_str());  // no partial file left behind
+      throw UserError("failed writing '" + tmp + "' (disk full?)");
+    }
   }
   if (std::rename(tmp.c_str(), path.c_str()) != 0) throw UserError("cannot rename '" + tmp + "' to '" + path + "'");
 }

@@ -587,3 +587,24 @@ TEST_CASE("coco-info counts a dataset, its training view and missing images", "[
   CHECK_THAT(b.output, Catch::StartsWith("imgtrain: error: ") && Catch::Contains("broken.json"));
   CHECK(test::run(bin + " coco-info").code == 2);
 }
+
+TEST_CASE("a second run into a folder in use is refused in one line naming the holder", "[fault]") {
+  auto data = test::fmnist_folder();
+  test::TempDir out("lock");
+  const std::string cmd = kBin + " train --data-dir " + data + kSmallArgs + " --epochs 50 --output " +
+                          out.path.string() + " --experiment same";
+  const std::string log1 = out / "first.log";
+  // the first run holds the folder; the second asks for it while the first trains
+  auto r = test::run(cmd + " > " + log1 + " 2>&1 & P=$!; for i in $(seq 600); do grep -q 'Train: 0' " + log1 +
+                     " && break; sleep 0.1; done; " + cmd + "; echo rc=$?; kill -TERM $P; wait $P; echo first=$?");
+  INFO(r.output << test::read_file(log1));
+  CHECK_THAT(r.output, Catch::Contains("is in use by another run (pid ") && Catch::Contains("rc=2"));
+  CHECK_THAT(r.output, Catch::Contains("choose another --experiment"));
+  // the refused run touched nothing: the first run's args.yaml is intact and it stopped cleanly
+  CHECK_THAT(test::read_file(out / "same/args.yaml"), Catch::Contains("epochs: 50"));
+  // after it ended, the folder is free again (--resume auto continues there)
+  auto again = test::run(kBin + " train --data-dir " + data + kSmallArgs + " --epochs 1 --output " + out.path.string() +
+                         " --experiment same");
+  INFO(again.output);
+  CHECK(again.code == 0);
+}

@@ -183,8 +183,10 @@ TEST_CASE("COCO reader counts and skips bad annotations", "[coco]") {
   REQUIRE_NOTHROW(d = coco::load_dataset(path));
   std::vector<int64_t> ids;
   for (auto& a : d.annotations) ids.push_back(a.id);
-  CHECK(ids == std::vector<int64_t>{1, 9, 10, 14});
-  CHECK(d.skipped == 11);
+  // 7 (odd polygon: truncated as pycocotools), 8 (bad RLE) and 13 (RLE of another size) keep their
+  // boxes: pycocotools' bbox evaluation never reads the segmentation
+  CHECK(ids == std::vector<int64_t>{1, 7, 8, 9, 10, 13, 14});
+  CHECK(d.skipped == 8);
   std::string all;
   for (auto& w : d.warnings) all += w + "\n";
   INFO(all);
@@ -192,20 +194,24 @@ TEST_CASE("COCO reader counts and skips bad annotations", "[coco]") {
   CHECK(has(all, "unknown category_id (id 3"));
   CHECK(has(all, "2 annotations skipped: empty box (w or h <= 0) (id 4, id 5)"));
   CHECK(has(all, "no bbox of 4 finite numbers (id 6, id 12)"));
-  CHECK(has(all, "odd number of coordinates (id 7)"));
-  CHECK(has(all, "a bad RLE (id 8"));
+  CHECK(has(all, "odd number of coordinates: the last one ignored, as pycocotools (id 7)"));
+  CHECK(has(all, "annotations kept without their segmentation (a bad RLE; segm scores an empty mask) (id 8"));
   CHECK(has(all, "no integer id (#10, #13)"));
-  CHECK(has(all, "RLE size differs from the image size (id 13)"));
+  CHECK(has(all, "an RLE whose size differs from the image size; segm scores an empty mask) (id 13)"));
   CHECK(has(all, "without a numeric area: w*h used (id 10)"));
   CHECK(has(all, "first polygon has under 3 points (pycocotools cannot rasterise them) (id 14)"));
   // its mask comes from the polygons of 3+ points
-  CHECK(coco::ann_to_rle(d.annotations[3], 10, 20) == coco::rle_from_polygon({0, 0, 4, 0, 4, 4}, 10, 20));
-  CHECK(d.annotations[2].area == 4);
-  CHECK(d.annotations[1].iscrowd);
-  CHECK(d.annotations[1].seg == coco::SegKind::rle);
+  CHECK(coco::ann_to_rle(d.annotations[6], 10, 20) == coco::rle_from_polygon({0, 0, 4, 0, 4, 4}, 10, 20));
+  CHECK(d.annotations[4].area == 4);
+  CHECK(d.annotations[3].iscrowd);
+  CHECK(d.annotations[3].seg == coco::SegKind::rle);
+  CHECK(d.annotations[1].polygons == std::vector<std::vector<double>>{{1, 1, 5, 1, 5}});  // kept; frPoly ignores the 5th
+  CHECK(d.annotations[2].iscrowd);  // the crowd with a bad RLE is still an ignore region for boxes
+  CHECK(d.annotations[2].seg == coco::SegKind::none);
+  CHECK(d.annotations[5].seg == coco::SegKind::none);
   CHECK(d.annotations[0].seg == coco::SegKind::polygons);
   CHECK(d.image_annotations(2).size() == 2);
-  CHECK(d.image_annotations(1).size() == 2);
+  CHECK(d.image_annotations(1).size() == 5);
   CHECK(d.image_annotations(77).empty());
   REQUIRE(d.category(2) != nullptr);
   CHECK(d.category(2)->name == "two");
@@ -215,8 +221,8 @@ TEST_CASE("COCO reader counts and skips bad annotations", "[coco]") {
   coco::LoadOptions keep;
   keep.keep_degenerate_boxes = true;
   auto k = coco::load_dataset(path, keep);
-  CHECK(k.annotations.size() == 6);
-  CHECK(k.skipped == 9);
+  CHECK(k.annotations.size() == 9);
+  CHECK(k.skipped == 6);
 }
 
 TEST_CASE("COCO results load as loadRes reads them", "[coco]") {

@@ -201,10 +201,12 @@ TEST_CASE("coco rle merge of different sizes throws", "[coco]") {
   CHECK(rle_merge({a}) == a);
 }
 
-TEST_CASE("coco polygons that pycocotools cannot take throw", "[coco]") {
+TEST_CASE("coco polygons that pycocotools cannot take throw, and odd ones lose their last value", "[coco]") {
   using Catch::Matchers::Contains;
-  CHECK_THROWS_WITH(rle_from_polygon({1, 1, 5, 5, 3}, 10, 10), Contains("odd number"));
-  CHECK_THROWS_WITH(rle_from_polygons({{1, 1, 5, 5, 3, 8}, {1, 1, 2}}, 10, 10), Contains("odd number"));
+  // an odd last value is ignored, as frPoly's int(len / 2) points
+  CHECK(rle_from_polygon({1, 1, 5, 5, 3, 8, 2}, 10, 10) == rle_from_polygon({1, 1, 5, 5, 3, 8}, 10, 10));
+  CHECK(rle_from_polygons({{1, 1, 5, 5, 3, 8, 9}, {1, 1, 2}}, 10, 10) ==
+        rle_merge({rle_from_polygon({1, 1, 5, 5, 3, 8}, 10, 10), rle_from_polygon({1, 1}, 10, 10)}));
   CHECK_THROWS_WITH(rle_from_polygons({}, 10, 10), Contains("no polygons"));
   // frPyObjects reads a 4-value first polygon as boxes (and fails), a shorter one it rejects
   CHECK_THROWS_WITH(rle_from_polygons({{1, 1, 5, 5}}, 10, 10), Contains("first polygon"));

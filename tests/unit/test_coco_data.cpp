@@ -22,14 +22,7 @@ using namespace imgtrain::data;
 
 namespace {
 
-std::string user_error(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const UserError& e) {
-    return e.what();
-  }
-  return "";
-}
+std::string user_error(const std::function<void()>& f) { return test::error_text<UserError>(f); }
 
 // A COCO folder: images 7 (60x40), 3 (30x50, grayscale), 5 (40x40, a crowd and a 1-px-wide box),
 // 9 (20x20, no annotation), 4 (64x32); categories 90 "b" and 2 "a" (ids out of order).

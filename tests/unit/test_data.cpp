@@ -8,6 +8,7 @@
 #include "test_util.h"
 
 #include <catch2/catch.hpp>
+#include <fmt/format.h>
 #include <opencv2/imgcodecs.hpp>
 #include <zlib.h>
 #include <opencv2/imgproc.hpp>
@@ -35,14 +36,7 @@ std::string idx_bytes(std::vector<uint32_t> dims, size_t data_bytes, uint8_t typ
   return s;
 }
 
-std::string user_error(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const UserError& e) {
-    return e.what();
-  }
-  return "";
-}
+std::string user_error(const std::function<void()>& f) { return test::error_text<UserError>(f); }
 
 // A photo-like test image: smooth gradients plus a few shapes.
 cv::Mat make_image(int h, int w, int seed) {
@@ -119,6 +113,54 @@ TEST_CASE("ImageFolder scans classes, nested files and extensions", "[data][fold
   for (size_t i = 0; i < ds->size(); ++i) labels.push_back(ds->label(i));
   CHECK(labels == std::vector<int64_t>{0, 0, 1, 2});
   CHECK(ds->image(3).channels() == 3);
+}
+
+TEST_CASE("ImageFolder follows folder links once: loops and links into other classes are skipped", "[data][folder]") {
+  test::TempDir d("links");
+  auto png = encode(make_image(8, 8, 1), ".png");
+  for (auto f : {"a/1.png", "a/2.png", "a/sub/3.png", "b/4.png", "b/5.png"}) test::write_file(d / (std::string("train/") + f), png);
+  test::write_file(d / "elsewhere/6.png", png);
+  namespace fs = std::filesystem;
+  fs::create_directory_symlink(".", d / "train/a/loop");        // a loop onto itself
+  fs::create_directory_symlink("../..", d / "train/a/sub/up");  // back up to the split
+  fs::create_directory_symlink("../a", d / "train/b/peer");     // into another class
+  fs::create_directory_symlink(d / "elsewhere", d / "train/b/more");  // a real extra folder
+  auto ds = create_dataset("", d.path.string(), "train");
+  REQUIRE(ds->size() == 6);  // 16 images became 7,216 samples before
+  std::map<std::string, int64_t> label_of;
+  for (size_t i = 0; i < ds->size(); ++i) label_of[fs::path(ds->describe(i)).filename().string()] = ds->label(i);
+  CHECK(label_of == std::map<std::string, int64_t>{{"1.png", 0}, {"2.png", 0}, {"3.png", 0}, {"4.png", 1},
+                                                   {"5.png", 1}, {"6.png", 1}});
+}
+
+TEST_CASE("decompression bombs are refused from the header, and resizes that would explode are skipped", "[data][decode]") {
+  // a GIF whose logical screen is 65535 x 65535 (37 bytes; 13 GB per loader thread before)
+  std::string gif = std::string("GIF89a") + "\xff\xff\xff\xff" + std::string("\x00\x00\x00", 3) +
+                    std::string("\x2c\x00\x00\x00\x00\x01\x00\x01\x00\x00\x02\x02\x44\x01\x00\x3b", 16);
+  gif.resize(37, '\0');
+  auto msg = [](const std::function<void()>& f) { return test::error_text<DecodeError>(f); };
+  CHECK_THAT(msg([&] { decode_image(gif, "bomb.gif"); }),
+             Catch::Contains("bomb.gif") && Catch::Contains("65535x65535") && Catch::Contains("above the limit"));
+  // a PNG header claiming 20000 x 20000 is refused before libpng allocates anything
+  auto png = encode(make_image(4, 4, 1), ".png");
+  std::string big = png;
+  const uint32_t side = 20000;
+  for (int k = 0; k < 2; ++k)
+    for (int b = 0; b < 4; ++b) big[size_t(16 + 4 * k + b)] = char((side >> (24 - 8 * b)) & 0xff);
+  CHECK(header_size(big) == cv::Size(20000, 20000));
+  CHECK_THAT(msg([&] { decode_image(big, "big.png"); }), Catch::Contains("above the limit"));
+  // the headers' sizes, without decoding
+  const auto im = make_image(13, 21, 2);
+  for (auto ext : {".png", ".jpg", ".bmp", ".webp"}) {
+    INFO(ext);
+    CHECK(header_size(encode(im, ext)) == cv::Size(21, 13));
+  }
+  // 1 x 20000 decodes, but its eval resize (shorter side 256) would be 256 x 5,120,000
+  const auto line = encode(cv::Mat(1, 20000, CV_8UC3, cv::Scalar(1, 2, 3)), ".png");
+  CHECK(decode_image(line, "line.png").cols == 20000);
+  TransformConfig tc;
+  std::mt19937_64 rng(1);
+  CHECK_THAT(msg([&] { apply_transform_encoded(line, tc, rng, "line.png"); }), Catch::Contains("above the limit"));
 }
 
 TEST_CASE("split folder synonyms and empty splits", "[data][folder]") {
@@ -358,6 +400,35 @@ TEST_CASE("loader skips unreadable images, warns and counts", "[data][loader]") 
   CHECK(batches[2].images.size(0) == 2);
   CHECK(l.skipped_this_epoch() == 2);
   CHECK(batches[0].labels[1].item<int64_t>() == 2);  // sample 1 skipped: 0, 2, 3
+}
+
+TEST_CASE("training refills skipped images from the next index and stops when nothing is readable", "[data][loader]") {
+  TransformConfig tc;
+  tc.size = 8;
+  LoaderOptions o;
+  o.batch_size = 4;
+  o.workers = 2;
+  o.refill_unreadable = true;
+  Loader l(std::make_shared<Synthetic>(10, std::set<size_t>{1, 6, 7}), tc, o);
+  auto batches = epoch_batches(l, 0);
+  REQUIRE(batches.size() == 3);
+  for (auto& b : batches) CHECK(b.images.size(0) == (&b == &batches.back() ? 2 : 4));  // no batch shrinks
+  CHECK(l.skipped_this_epoch() == 4);  // 1; 6 and then 7 in its place; 7
+  // labels are index % 3
+  CHECK(batches[0].labels[1].item<int64_t>() == 2);  // 1 -> 2
+  CHECK(batches[1].labels[2].item<int64_t>() == 2);  // 6 -> 7 -> 8
+  CHECK(batches[1].labels[3].item<int64_t>() == 2);  // 7 -> 8
+  std::set<size_t> all;
+  for (size_t i = 0; i < 60; ++i) all.insert(i);
+  Loader dead(std::make_shared<Synthetic>(60, all), tc, o);
+  dead.start_epoch(0);
+  try {
+    while (dead.next()) {
+    }
+    FAIL("an unreadable split must stop the loader");
+  } catch (const std::runtime_error& e) {
+    CHECK_THAT(std::string(e.what()), Catch::Contains("50 unreadable images in a row"));
+  }
 }
 
 TEST_CASE("device normalisation matches the per-element formula", "[data][normalize]") {
@@ -616,6 +687,46 @@ TEST_CASE("a corrupt image inside a shard is skipped and counted, and a truncate
   CHECK(kept.size() == 14);
   auto ds2 = create_dataset("", dir / "out", "train");
   CHECK(ds2->size() == 7);
+}
+
+TEST_CASE("a tar member whose size field is near 2^64 ends the shard index with a reason", "[data][shards]") {
+  // One header block (valid checksum) with a GNU base-256 size, then a few data blocks.
+  auto header = [](const std::string& name, char type, uint64_t size) {
+    std::string h(512, '\0');
+    h.replace(0, name.size(), name);
+    h.replace(100, 7, "0000644");
+    h.replace(108, 7, "0000000");
+    h.replace(116, 7, "0000000");
+    h[124] = char(0x80);
+    for (int b = 0; b < 8; ++b) h[size_t(124 + 4 + b)] = char((size >> (56 - 8 * b)) & 0xff);
+    h.replace(136, 11, "00000000000");
+    h[156] = type;
+    h.replace(257, 6, std::string("ustar\0", 6));
+    h.replace(263, 2, "00");
+    h.replace(148, 8, "        ");
+    uint64_t sum = 0;
+    for (unsigned char c : h) sum += c;
+    const std::string cs = fmt::format("{:06o}", sum);
+    h.replace(148, 6, cs);
+    h[154] = '\0';
+    return h;
+  };
+  test::TempDir d("tarbomb");
+  for (char type : {'0', 'L'}) {
+    INFO("type " << type);
+    const std::string path = d / (std::string("s") + type + ".tar");
+    test::write_file(path, header("a.jpg", type, 0xFFFFFFFFFFFFFE00ull) + std::string(2048, 'x'));
+    std::string err;
+    const auto members = list_tar(path, &err);  // returns at once: no wrap-around, no endless loop
+    CHECK(members.empty());
+    CHECK_THAT(err, Catch::Contains("past the end of the file"));
+  }
+  // a long-name header of 2 MiB is refused rather than read into memory
+  const std::string big = d / "big.tar";
+  test::write_file(big, header("././@LongLink", 'L', 2u << 20) + std::string((2u << 20) + 512, 'n'));
+  std::string err;
+  CHECK(list_tar(big, &err).empty());
+  CHECK_THAT(err, Catch::Contains("long-name header"));
 }
 
 TEST_CASE("shard order: shards dealt to ranks, buffer-shuffled, equal lengths, same for any thread count", "[data][shards]") {
