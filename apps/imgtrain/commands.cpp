@@ -230,6 +230,14 @@ int evaluate_coco(const std::vector<std::string>& args) {
     throw UserError(fmt::format("--iou-type '{}': expected bbox, segm or both", iou));
   if (r["threads"].as<int>() < 0) throw UserError("--threads: expected 0 or more");
   const std::string gt_path = r["gt"].as<std::string>(), dt_path = r["results"].as<std::string>();
+  if (r.count("results-file")) {  // refused before the evaluation, not after it
+    const std::string path = r["results-file"].as<std::string>();
+    std::error_code ec;
+    const bool existed = std::filesystem::exists(path, ec);
+    const bool ok = bool(std::ofstream(path, std::ios::app));
+    if (!existed) std::filesystem::remove(path, ec);  // the probe leaves nothing behind
+    if (!ok) throw UserError(fmt::format("--results-file '{}': cannot write it", path));
+  }
   using Clock = std::chrono::steady_clock;
   auto secs = [](Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); };
   coco::Dataset gt, dt;
@@ -301,7 +309,8 @@ int coco_info(const std::vector<std::string>& args) {
   const std::string ann = r["ann"].as<std::string>(), images = r.count("images") ? r["images"].as<std::string>() : "";
   std::error_code ec;
   if (!images.empty() && !std::filesystem::is_directory(images, ec))
-    throw UserError(fmt::format("--images '{}': no such folder", images));
+    throw UserError(fmt::format("--images '{}': {}", images,
+                                std::filesystem::exists(images, ec) ? "a file, not the image folder" : "no such folder"));
   const auto t0 = std::chrono::steady_clock::now();
   data::CocoDetection ds(images, ann, {.train = true, .contiguous_labels = true, .masks = false});
   const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

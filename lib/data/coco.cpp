@@ -142,7 +142,15 @@ class Issues {
   }
   void flush(Dataset& d) {
     for (auto& k : kinds_) {
-      std::string line = d.path + ": " + std::to_string(k.count) + " " + k.kind + " (";
+      std::string kind = k.kind;
+      if (k.count == 1)  // "1 annotation skipped", not "1 annotations"
+        for (const char* plural : {"annotations", "results", "images", "categories"})
+          if (kind.rfind(plural, 0) == 0) {
+            const std::string p = plural;
+            kind = (p == "categories" ? std::string("category") : p.substr(0, p.size() - 1)) + kind.substr(p.size());
+            break;
+          }
+      std::string line = d.path + ": " + std::to_string(k.count) + " " + kind + " (";
       for (size_t i = 0; i < k.items.size(); ++i) line += (i ? ", " : "") + k.items[i];
       d.warnings.push_back(line + (k.count > k.items.size() ? ", ...)" : ")"));
     }

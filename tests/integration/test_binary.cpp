@@ -567,6 +567,15 @@ TEST_CASE("evaluate-coco prints pycocotools' summary lines and refuses bad files
   CHECK(missing.code == 2);
   CHECK_THAT(missing.output, Catch::Contains("none.json"));
   CHECK(test::run(bin + " evaluate-coco --gt a --results b --iou-type keypoints").code == 2);
+  // an unwritable --results-file is refused before the evaluation runs
+  auto unwritable = test::run(bin + " evaluate-coco --gt " + dir + "/gt.json --results " + dir +
+                              "/dt_bbox.json --results-file " + (bad / "no/such/dir/res.json"));
+  CHECK(unwritable.code == 2);
+  CHECK_THAT(unwritable.output, Catch::Contains("cannot write it") && !Catch::Contains("Evaluate annotation type"));
+  // a folder where a json file belongs is named as such
+  auto folder = test::run(bin + " evaluate-coco --gt " + bad.path.string() + " --results " + dir + "/dt_bbox.json");
+  CHECK(folder.code == 2);
+  CHECK_THAT(folder.output, Catch::Contains("a folder, not a json file"));
 }
 
 TEST_CASE("coco-info counts a dataset, its training view and missing images", "[coco]") {
@@ -586,6 +595,9 @@ TEST_CASE("coco-info counts a dataset, its training view and missing images", "[
   CHECK(b.code == 2);
   CHECK_THAT(b.output, Catch::StartsWith("imgtrain: error: ") && Catch::Contains("broken.json"));
   CHECK(test::run(bin + " coco-info").code == 2);
+  auto file = test::run(bin + " coco-info --ann " + gt + " --images " + gt);
+  CHECK(file.code == 2);
+  CHECK_THAT(file.output, Catch::Contains("a file, not the image folder"));
 }
 
 TEST_CASE("a second run into a folder in use is refused in one line naming the holder", "[fault]") {

@@ -190,12 +190,12 @@ TEST_CASE("COCO reader counts and skips bad annotations", "[coco]") {
   std::string all;
   for (auto& w : d.warnings) all += w + "\n";
   INFO(all);
-  CHECK(has(all, "anns.json: 1 annotations skipped: unknown image_id (id 2 (image_id 99))"));
+  CHECK(has(all, "anns.json: 1 annotation skipped: unknown image_id (id 2 (image_id 99))"));
   CHECK(has(all, "unknown category_id (id 3"));
   CHECK(has(all, "2 annotations skipped: empty box (w or h <= 0) (id 4, id 5)"));
   CHECK(has(all, "no bbox of 4 finite numbers (id 6, id 12)"));
   CHECK(has(all, "odd number of coordinates: the last one ignored, as pycocotools (id 7)"));
-  CHECK(has(all, "annotations kept without their segmentation (a bad RLE; segm scores an empty mask) (id 8"));
+  CHECK(has(all, "1 annotation kept without their segmentation (a bad RLE; segm scores an empty mask) (id 8"));
   CHECK(has(all, "no integer id (#10, #13)"));
   CHECK(has(all, "an RLE whose size differs from the image size; segm scores an empty mask) (id 13)"));
   CHECK(has(all, "without a numeric area: w*h used (id 10)"));
