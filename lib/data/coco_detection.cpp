@@ -9,8 +9,6 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
-#include <list>
-#include <map>
 
 namespace fs = std::filesystem;
 
@@ -162,75 +160,6 @@ std::shared_ptr<CocoDetection> open_coco(const std::string& root, const std::str
                                 fmt::join(tried, "; ")));
   if (!fs::is_regular_file(ann, ec)) throw UserError(fmt::format("COCO annotations '{}': no such file", ann));
   return std::make_shared<CocoDetection>(images, ann, opt);
-}
-
-std::vector<int64_t> quantize_aspect_ratios(const std::vector<double>& ratios, int64_t k) {
-  std::vector<double> bins;
-  if (k > 0) {
-    // numpy: 2 ** linspace(-1, 1, 2k + 1); linspace's step form start + i * step, the last exact
-    const int64_t n = 2 * k + 1;
-    const double step = 2.0 / double(n - 1);
-    for (int64_t i = 0; i < n; ++i) bins.push_back(std::pow(2.0, i == n - 1 ? 1.0 : -1.0 + double(i) * step));
-  } else {
-    bins = {1.0};
-  }
-  std::vector<int64_t> g;
-  g.reserve(ratios.size());
-  for (double r : ratios) g.push_back(int64_t(std::upper_bound(bins.begin(), bins.end(), r) - bins.begin()));
-  return g;
-}
-
-std::vector<int64_t> aspect_ratio_groups(const Dataset& ds, int64_t k, bool two_bucket) {
-  std::vector<double> ratios;
-  std::vector<int64_t> g;
-  for (size_t i = 0; i < ds.size(); ++i) {
-    const auto s = ds.image_size(i);
-    if (two_bucket) g.push_back(s.width > s.height ? 0 : 1);
-    else ratios.push_back(double(s.width) / double(s.height));
-  }
-  return two_bucket ? g : quantize_aspect_ratios(ratios, k);
-}
-
-std::vector<int64_t> grouped_batches(const std::vector<int64_t>& order, const std::vector<int64_t>& group_ids,
-                                     int64_t batch_size) {
-  const size_t bs = size_t(batch_size);
-  std::vector<int64_t> out;
-  const size_t expected = order.size() / bs;
-  out.reserve(expected * bs);
-  // Python's dict order of the buffers: a group's key is (re)appended when it is first seen and
-  // right after each yield (defaultdict re-creates the deleted key empty).
-  std::list<int64_t> key_order;
-  std::map<int64_t, std::list<int64_t>::iterator> where;
-  std::map<int64_t, std::vector<int64_t>> buffer, samples;
-  auto touch = [&](int64_t g) {
-    if (where.count(g)) key_order.erase(where[g]);
-    where[g] = key_order.insert(key_order.end(), g);
-  };
-  size_t made = 0;
-  for (int64_t idx : order) {
-    const int64_t g = group_ids.at(size_t(idx));
-    if (!where.count(g)) touch(g);
-    buffer[g].push_back(idx);
-    samples[g].push_back(idx);
-    if (buffer[g].size() == bs) {
-      out.insert(out.end(), buffer[g].begin(), buffer[g].end());
-      buffer[g].clear();
-      touch(g);
-      ++made;
-    }
-  }
-  if (made < expected) {
-    std::vector<int64_t> keys(key_order.begin(), key_order.end());
-    std::stable_sort(keys.begin(), keys.end(), [&](int64_t a, int64_t b) { return buffer[a].size() > buffer[b].size(); });
-    for (int64_t g : keys) {
-      auto& buf = buffer[g];
-      const auto& src = samples[g];
-      for (size_t j = 0; buf.size() < bs; ++j) buf.push_back(src[j % src.size()]);
-      out.insert(out.end(), buf.begin(), buf.end());
-      if (++made == expected) break;
-    }
-  }
-  return out;
 }
 
 }  // namespace imgtrain::data

@@ -65,19 +65,4 @@ class CocoDetection : public Dataset {
 std::shared_ptr<CocoDetection> open_coco(const std::string& root, const std::string& split, const std::string& ann_file,
                                          CocoOptions opt);
 
-// Aspect-ratio groups of a dataset's images (width / height), torchvision's
-// create_aspect_ratio_groups: k > 0 -> bins 2^linspace(-1, 1, 2k + 1), k = 0 -> [1.0], each ratio
-// quantised by bisect_right over the bins (2k + 2 groups). Detectron2's two buckets
-// (AspectRatioGroupedDataset: width > height -> 0, else 1) with `two_bucket`.
-std::vector<int64_t> aspect_ratio_groups(const Dataset& ds, int64_t k, bool two_bucket = false);
-std::vector<int64_t> quantize_aspect_ratios(const std::vector<double>& ratios, int64_t k);
-
-// torchvision's GroupedBatchSampler over one rank's `order`: batches of `batch_size` indices of
-// one group, yielded as each group's buffer fills, in the order of the stream; then, to make
-// len(order) / batch_size batches, the unfinished buffers (the fullest first, ties in the order
-// the buffers were opened) are completed with their group's first samples (repeated when the
-// group is smaller than a batch). Returns the batches concatenated.
-std::vector<int64_t> grouped_batches(const std::vector<int64_t>& order, const std::vector<int64_t>& group_ids,
-                                     int64_t batch_size);
-
 }  // namespace imgtrain::data

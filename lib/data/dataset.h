@@ -80,8 +80,9 @@ cv::Mat decode_jpeg_region(const std::string& bytes, int denom, cv::Rect region,
 // The default location of Debian's dataset-fashion-mnist package.
 inline const char* kFashionMnistDir = "/usr/share/datasets/fashion-mnist";
 
-// kind: "" (ImageFolder, or tar shards when the split folder holds *.tar files),
-// "fashion-mnist" or "coco" (data/coco_detection.h: images and instances json of the split). split: timm's split name (folder synonyms apply).
+// kind: "" (ImageFolder, or tar shards when the split folder holds *.tar files) or
+// "fashion-mnist"; split: timm's split name (folder synonyms apply). COCO detection data is
+// opened by data::open_coco (data/coco_detection.h).
 std::shared_ptr<Dataset> create_dataset(const std::string& kind, const std::string& root, const std::string& split);
 
 // timm's split-folder search: `split` itself, else its synonyms (train/training,

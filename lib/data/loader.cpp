@@ -2,7 +2,6 @@
 
 #include "core/log.h"
 #include "core/rng.h"
-#include "data/coco_detection.h"
 
 #include <opencv2/imgproc.hpp>
 #include <torch/torch.h>
@@ -10,6 +9,8 @@
 #include <fmt/format.h>
 
 #include <cmath>
+#include <list>
+#include <map>
 
 namespace imgtrain::data {
 
@@ -133,6 +134,75 @@ std::vector<int64_t> shard_order(const std::vector<size_t>& starts, uint64_t see
   return sized;
 }
 
+std::vector<int64_t> quantize_aspect_ratios(const std::vector<double>& ratios, int64_t k) {
+  std::vector<double> bins;
+  if (k > 0) {
+    // numpy: 2 ** linspace(-1, 1, 2k + 1); linspace's step form start + i * step, the last exact
+    const int64_t n = 2 * k + 1;
+    const double step = 2.0 / double(n - 1);
+    for (int64_t i = 0; i < n; ++i) bins.push_back(std::pow(2.0, i == n - 1 ? 1.0 : -1.0 + double(i) * step));
+  } else {
+    bins = {1.0};
+  }
+  std::vector<int64_t> g;
+  g.reserve(ratios.size());
+  for (double r : ratios) g.push_back(int64_t(std::upper_bound(bins.begin(), bins.end(), r) - bins.begin()));
+  return g;
+}
+
+std::vector<int64_t> aspect_ratio_groups(const Dataset& ds, int64_t k, bool two_bucket) {
+  std::vector<double> ratios;
+  std::vector<int64_t> g;
+  for (size_t i = 0; i < ds.size(); ++i) {
+    const auto s = ds.image_size(i);
+    if (two_bucket) g.push_back(s.width > s.height ? 0 : 1);
+    else ratios.push_back(double(s.width) / double(s.height));
+  }
+  return two_bucket ? g : quantize_aspect_ratios(ratios, k);
+}
+
+std::vector<int64_t> grouped_batches(const std::vector<int64_t>& order, const std::vector<int64_t>& group_ids,
+                                     int64_t batch_size) {
+  const size_t bs = size_t(batch_size);
+  std::vector<int64_t> out;
+  const size_t expected = order.size() / bs;
+  out.reserve(expected * bs);
+  // Python's dict order of the buffers: a group's key is (re)appended when it is first seen and
+  // right after each yield (defaultdict re-creates the deleted key empty).
+  std::list<int64_t> key_order;
+  std::map<int64_t, std::list<int64_t>::iterator> where;
+  std::map<int64_t, std::vector<int64_t>> buffer, samples;
+  auto touch = [&](int64_t g) {
+    if (where.count(g)) key_order.erase(where[g]);
+    where[g] = key_order.insert(key_order.end(), g);
+  };
+  size_t made = 0;
+  for (int64_t idx : order) {
+    const int64_t g = group_ids.at(size_t(idx));
+    if (!where.count(g)) touch(g);
+    buffer[g].push_back(idx);
+    samples[g].push_back(idx);
+    if (buffer[g].size() == bs) {
+      out.insert(out.end(), buffer[g].begin(), buffer[g].end());
+      buffer[g].clear();
+      touch(g);
+      ++made;
+    }
+  }
+  if (made < expected) {
+    std::vector<int64_t> keys(key_order.begin(), key_order.end());
+    std::stable_sort(keys.begin(), keys.end(), [&](int64_t a, int64_t b) { return buffer[a].size() > buffer[b].size(); });
+    for (int64_t g : keys) {
+      auto& buf = buffer[g];
+      const auto& src = samples[g];
+      for (size_t j = 0; buf.size() < bs; ++j) buf.push_back(src[j % src.size()]);
+      out.insert(out.end(), buf.begin(), buf.end());
+      if (++made == expected) break;
+    }
+  }
+  return out;
+}
+
 void Loader::start_epoch(int64_t epoch, size_t first_batch) {
   stop_workers();
   epoch_ = epoch;
@@ -185,6 +255,30 @@ void Loader::worker_loop() {
   }
 }
 
+std::optional<size_t> Loader::load_sample(size_t key, int64_t& skipped,
+                                          const std::function<void(size_t, std::mt19937_64&)>& load) {
+  size_t idx = key % ds_->size();
+  for (int attempt = 0;; ++attempt) {
+    // the first try draws from (seed, epoch, key): the same augmentation as without refilling
+    auto rng = sample_rng(opt_.seed, uint64_t(epoch_), key + size_t(attempt) * 0x9E3779B97F4A7C15ull);
+    try {
+      load(idx, rng);
+      return idx;
+    } catch (const DecodeError& e) {
+      {
+        std::lock_guard<std::mutex> lk(warn_mu_);
+        if (warned_.insert(idx).second) log::warn("skipping unreadable image: {}", e.what());
+      }
+      ++skipped;
+      if (!opt_.refill_unreadable) return std::nullopt;
+      if (attempt + 1 >= kMaxConsecutiveUnreadable)
+        throw std::runtime_error(fmt::format("{} unreadable images in a row (the last: {}); is the data readable?",
+                                             kMaxConsecutiveUnreadable, e.what()));
+      idx = (idx + 1) % ds_->size();  // timm: the next index takes its place
+    }
+  }
+}
+
 Batch Loader::make_batch(size_t b) {
   const size_t bs = size_t(opt_.batch_size);
   const size_t begin = b * bs, end = std::min(order_.size(), begin + bs);
@@ -204,32 +298,16 @@ Batch Loader::make_batch(size_t b) {
     // Order entries are sample keys: the dataset index, plus copy * N for a repeated copy
     // (--aug-repeats), so every copy draws its own augmentation.
     const size_t key = size_t(order_[k]);
-    size_t idx = key % ds_->size();
     cv::Mat img;
-    for (int attempt = 0;; ++attempt) {
-      auto rng = sample_rng(opt_.seed, uint64_t(epoch_), key + size_t(attempt) * 0x9E3779B97F4A7C15ull);
-      try {
-        std::string bytes;
-        img = ds_->encoded(idx, bytes) ? apply_transform_encoded(bytes, tc_, rng, ds_->describe(idx))
-                                       : apply_transform(ds_->image(idx), tc_, rng);
-        break;
-      } catch (const DecodeError& e) {
-        {
-          std::lock_guard<std::mutex> lk(warn_mu_);
-          if (warned_.insert(idx).second) log::warn("skipping unreadable image: {}", e.what());
-        }
-        ++out.skipped;
-        if (!opt_.refill_unreadable) break;
-        if (attempt + 1 >= kMaxConsecutiveUnreadable)
-          throw std::runtime_error(fmt::format("{} unreadable images in a row (the last: {}); is the data readable?",
-                                               kMaxConsecutiveUnreadable, e.what()));
-        idx = (idx + 1) % ds_->size();  // timm: the next index takes its place
-      }
-    }
-    if (img.empty()) continue;
+    const auto idx = load_sample(key, out.skipped, [&](size_t i, std::mt19937_64& rng) {
+      std::string bytes;
+      img = ds_->encoded(i, bytes) ? apply_transform_encoded(bytes, tc_, rng, ds_->describe(i))
+                                   : apply_transform(ds_->image(i), tc_, rng);
+    });
+    if (!idx) continue;
     std::memcpy(dst + size_t(filled) * row, img.data, row);
     ids[filled] = int64_t(key);
-    lab[filled++] = ds_->label(idx);
+    lab[filled++] = ds_->label(*idx);
   }
   if (filled < count) {
     out.images = out.images.narrow(0, 0, filled);
@@ -244,30 +322,25 @@ Batch Loader::make_detection_batch(size_t begin, size_t end) {
   std::vector<cv::Mat> images;
   std::vector<int64_t> ids;
   for (size_t k = begin; k < end; ++k) {
-    const size_t idx = size_t(order_[k]);
-    auto rng = sample_rng(opt_.seed, uint64_t(epoch_), idx);
     cv::Mat img;
-    try {
+    BoxTarget t;
+    const auto idx = load_sample(size_t(order_[k]), out.skipped, [&](size_t i, std::mt19937_64& rng) {
       std::string bytes;
-      ds_->encoded(idx, bytes);
-      img = decode_image(bytes, ds_->describe(idx));  // the whole image: the model resizes it
-    } catch (const DecodeError& e) {
-      std::lock_guard<std::mutex> lk(warn_mu_);
-      if (warned_.insert(idx).second) log::warn("skipping unreadable image: {}", e.what());
-      ++out.skipped;
-      continue;
-    }
-    if (img.channels() == 1 && tc_.channels == 3) cv::cvtColor(img, img, cv::COLOR_GRAY2RGB);  // PIL's convert("RGB")
-    BoxTarget t = ds_->target(idx);
-    if (tc_.train && !tc_.no_aug) random_hflip(img, t, tc_.hflip, rng);
-    // GeneralizedRCNNTransform's torch_choice of the training min size, drawn here per sample
-    if (!tc_.min_sizes.empty())
-      t.min_size = tc_.train && tc_.min_sizes.size() > 1
-                       ? tc_.min_sizes[size_t(randint(rng, 0, int64_t(tc_.min_sizes.size()) - 1))]
-                       : tc_.min_sizes.back();
+      ds_->encoded(i, bytes);
+      img = decode_image(bytes, ds_->describe(i));  // the whole image: the model resizes it
+      if (img.channels() == 1 && tc_.channels == 3) cv::cvtColor(img, img, cv::COLOR_GRAY2RGB);  // PIL's convert("RGB")
+      t = ds_->target(i);
+      if (tc_.train && !tc_.no_aug) random_hflip(img, t, tc_.hflip, rng);
+      // GeneralizedRCNNTransform's torch_choice of the training min size, drawn here per sample
+      if (!tc_.min_sizes.empty())
+        t.min_size = tc_.train && tc_.min_sizes.size() > 1
+                         ? tc_.min_sizes[size_t(randint(rng, 0, int64_t(tc_.min_sizes.size()) - 1))]
+                         : tc_.min_sizes.back();
+    });
+    if (!idx) continue;
     images.push_back(std::move(img));
     out.targets.push_back(std::move(t));
-    ids.push_back(int64_t(idx));
+    ids.push_back(int64_t(*idx));
   }
   auto padded = pad_collate(images, 32);
   out.images = opt_.pin_memory ? padded.images.pin_memory() : padded.images;

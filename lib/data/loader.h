@@ -13,6 +13,7 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -84,6 +85,21 @@ std::vector<int64_t> repeat_aug_share(int64_t n, int64_t epoch, bool shuffle, do
                                       int64_t world);
 size_t repeat_aug_samples(int64_t n, double repeats, int64_t world);
 
+// Aspect-ratio groups of a dataset's images (width / height), torchvision's
+// create_aspect_ratio_groups: k > 0 -> bins 2^linspace(-1, 1, 2k + 1), k = 0 -> [1.0], each ratio
+// quantised by bisect_right over the bins (2k + 2 groups). Detectron2's two buckets
+// (AspectRatioGroupedDataset: width > height -> 0, else 1) with `two_bucket`.
+std::vector<int64_t> aspect_ratio_groups(const Dataset& ds, int64_t k, bool two_bucket = false);
+std::vector<int64_t> quantize_aspect_ratios(const std::vector<double>& ratios, int64_t k);
+
+// torchvision's GroupedBatchSampler over one rank's `order`: batches of `batch_size` indices of
+// one group, yielded as each group's buffer fills, in the order of the stream; then, to make
+// len(order) / batch_size batches, the unfinished buffers (the fullest first, ties in the order
+// the buffers were opened) are completed with their group's first samples (repeated when the
+// group is smaller than a batch). Returns the batches concatenated.
+std::vector<int64_t> grouped_batches(const std::vector<int64_t>& order, const std::vector<int64_t>& group_ids,
+                                     int64_t batch_size);
+
 class Loader {
  public:
   Loader(std::shared_ptr<Dataset> ds, TransformConfig tc, LoaderOptions opt);
@@ -104,6 +120,11 @@ class Loader {
  private:
   Batch make_batch(size_t b);
   Batch make_detection_batch(size_t begin, size_t end);
+  // Runs load(index, generator) for sample `key`. An unreadable image (DecodeError) is warned once
+  // and counted in `skipped`; with refill_unreadable the next index takes its place. Returns the
+  // index used, or nullopt when the sample is dropped.
+  std::optional<size_t> load_sample(size_t key, int64_t& skipped,
+                                    const std::function<void(size_t, std::mt19937_64&)>& load);
   void stop_workers();
   void worker_loop();
 

@@ -16,7 +16,7 @@ at::Tensor upcast(const at::Tensor& t) {
   return t.is_floating_point() && t.element_size() < 4 ? t.to(at::kFloat) : t;
 }
 
-// Runs `f` on CPU copies of CUDA inputs (no device kernels yet) and in float32 for half inputs.
+// A CPU copy of a CUDA input (there are no device kernels yet); CPU tensors as they are.
 at::Tensor host(const at::Tensor& t) { return t.device().is_cpu() ? t : t.to(at::kCPU); }
 
 // ---- RoIAlign ---------------------------------------------------------------------------------

@@ -61,7 +61,7 @@ std::string pack_detections(const std::vector<coco::Detection>& d) {
   return s;
 }
 
-std::vector<coco::Detection> unpack_detections(const std::string& s) {
+std::vector<coco::Detection> unpack_detections(const std::string& s, size_t* used) {
   size_t at = 0;
   const auto n = take<uint64_t>(s, at);
   std::vector<coco::Detection> d(n);
@@ -81,6 +81,7 @@ std::vector<coco::Detection> unpack_detections(const std::string& s) {
       at += c * sizeof(uint32_t);
     }
   }
+  if (used) *used = at;
   return d;
 }
 
@@ -136,40 +137,42 @@ void CocoEvaluator::update(const engine::EvalOutputs& out, const data::Batch& ba
 
 void CocoEvaluator::sync() {
   if (ctx_ && ctx_->world() > 1) {
-    // Every rank's detections, each image kept from the first rank that evaluated it.
-    const auto parts = ctx_->all_gather_bytes(pack_detections(dets_));
+    // Every rank's images and detections in one gather; each image kept from the first rank
+    // that evaluated it (a padded share repeats some).
+    std::string mine = pack_detections(dets_);
+    for (int64_t id : images_) mine.append(reinterpret_cast<const char*>(&id), sizeof id);
     std::vector<coco::Detection> all;
     std::map<int64_t, size_t> owner;  // image id -> rank
-    for (size_t r = 0; r < parts.size(); ++r)
-      for (auto& d : unpack_detections(parts[r])) {
+    images_.clear();
+    const auto parts = ctx_->all_gather_bytes(mine);
+    for (size_t r = 0; r < parts.size(); ++r) {
+      size_t used = 0;
+      for (auto& d : unpack_detections(parts[r], &used)) {
         auto [it, fresh] = owner.emplace(d.image_id, r);
         if (it->second == r) all.push_back(std::move(d));
       }
-    std::vector<int64_t> ids(images_.begin(), images_.end());
-    auto seen = ctx_->all_gather_bytes(std::string(reinterpret_cast<const char*>(ids.data()), ids.size() * 8));
-    images_.clear();
-    for (auto& s : seen)
-      for (size_t i = 0; i + 8 <= s.size(); i += 8) {
-        int64_t v;
-        std::memcpy(&v, s.data() + i, 8);
-        images_.insert(v);
+      for (size_t i = used; i + sizeof(int64_t) <= parts[r].size(); i += sizeof(int64_t)) {
+        int64_t id;
+        std::memcpy(&id, parts[r].data() + i, sizeof id);
+        images_.insert(id);
       }
+    }
     dets_ = std::move(all);
   }
-  // Scored against the images evaluated (a partial pass scores only what it saw, as
-  // COCOeval with params.imgIds = the evaluated ids).
-  coco::Dataset gt = ds_->coco();
-  if (images_.size() != gt.images.size()) {
-    std::vector<coco::Image> kept;
-    for (auto& im : gt.images)
-      if (images_.count(im.id)) kept.push_back(im);
-    gt.images = std::move(kept);
-    std::vector<coco::Annotation> anns;
-    for (auto& a : gt.annotations)
-      if (images_.count(a.image_id)) anns.push_back(a);
-    gt.annotations = std::move(anns);
-    gt.build_index();
+  // Scored against the images evaluated (a partial pass scores only what it saw, as COCOeval
+  // with params.imgIds = the evaluated ids); the whole gt is used as it is when all were seen.
+  const coco::Dataset& full = ds_->coco();
+  coco::Dataset subset;
+  if (images_.size() != full.images.size()) {
+    for (auto& im : full.images)
+      if (images_.count(im.id)) subset.images.push_back(im);
+    for (auto& a : full.annotations)
+      if (images_.count(a.image_id)) subset.annotations.push_back(a);
+    subset.categories = full.categories;
+    subset.path = full.path;
+    subset.build_index();
   }
+  const coco::Dataset& gt = images_.size() != full.images.size() ? subset : full;
   const auto dt = results_dataset(gt, dets_);
   stats_.clear();
   report_.clear();

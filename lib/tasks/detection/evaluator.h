@@ -59,6 +59,7 @@ coco::Box to_xywh(const float* xyxy);
 
 // Serialises detections for the gather (and reads them back): a compact binary form.
 std::string pack_detections(const std::vector<coco::Detection>& d);
-std::vector<coco::Detection> unpack_detections(const std::string& bytes);
+// `used`, when given, receives the bytes read (what follows is the caller's).
+std::vector<coco::Detection> unpack_detections(const std::string& bytes, size_t* used = nullptr);
 
 }  // namespace imgtrain::tasks
