@@ -11,6 +11,7 @@ const Registry<ModelEntry>& registry() {
     register_vit(r);
     register_efficientnet(r);
     register_convnext(r);
+    register_detection(r);
     return r;
   }();
   return r;

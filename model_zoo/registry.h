@@ -45,5 +45,6 @@ void register_resnet(Registry<ModelEntry>& r);
 void register_vit(Registry<ModelEntry>& r);
 void register_efficientnet(Registry<ModelEntry>& r);
 void register_convnext(Registry<ModelEntry>& r);
+void register_detection(Registry<ModelEntry>& r);  // model_zoo/detection/rcnn.cpp
 
 }  // namespace imgtrain::model_zoo

@@ -100,8 +100,10 @@ int models(const std::vector<std::string>& args) {
   auto names = model_zoo::list_models(pattern);
   if (names.empty()) throw UserError("models: no model matches '" + pattern + "'");
   for (auto& n : names) {
-    auto m = model_zoo::create_module(n, {});
     const auto& d = model_zoo::model_defaults(n);
+    ModelArgs margs;
+    margs.num_classes = d.num_classes;  // 1000 for ImageNet classifiers, 91 for COCO detectors
+    auto m = model_zoo::create_module(n, margs);
     if (verbose) {
       std::string tags;
       for (auto& t : d.tags) tags += (tags.empty() ? "" : ",") + t;

@@ -23,10 +23,27 @@ class BatchNorm2dImpl : public torch::nn::BatchNorm2dImpl {
   explicit BatchNorm2dImpl(int64_t num_features) : torch::nn::BatchNorm2dImpl(torch::nn::BatchNormOptions(num_features)) {}
   explicit BatchNorm2dImpl(const torch::nn::BatchNormOptions& o) : torch::nn::BatchNorm2dImpl(o) {}
   at::Tensor forward(const at::Tensor& x) {
+    if (frozen) return frozen_forward(x);
     if (sync && is_training()) return sync->forward(*this, x);
     return torch::nn::BatchNorm2dImpl::forward(x);
   }
+  // torchvision's FrozenBatchNorm2d (detection backbones started from weights): the statistics and
+  // affine are constants, applied as x * scale + shift with scale = w * rsqrt(var + eps), in
+  // training too. Set with freeze(), which also stops the weight and bias from being trained.
+  void freeze(double eps) {
+    frozen = true;
+    frozen_eps = eps;
+    if (weight.defined()) weight.requires_grad_(false);
+    if (bias.defined()) bias.requires_grad_(false);
+  }
+  at::Tensor frozen_forward(const at::Tensor& x) const {
+    auto scale = weight.reshape({1, -1, 1, 1}) * (running_var.reshape({1, -1, 1, 1}) + frozen_eps).rsqrt();
+    auto shift = bias.reshape({1, -1, 1, 1}) - running_mean.reshape({1, -1, 1, 1}) * scale;
+    return x * scale + shift;
+  }
   std::shared_ptr<SyncBatchNormHook> sync;
+  bool frozen = false;
+  double frozen_eps = 1e-5;
 };
 TORCH_MODULE(BatchNorm2d);
 

@@ -1,0 +1,114 @@
+"""References for Faster / Mask R-CNN (test_rcnn.cpp): torchvision's models with random weights.
+
+Writes <out>/<arch>.safetensors per model: the state dict under "sd.", two images after
+torchvision's own transform (the batched tensor and the image sizes), targets at that size, the
+evaluation outputs before postprocess (boxes, scores, labels, mask probabilities per image) and
+after it (boxes in the original size, pasted masks), the training losses with the balanced
+samplers made deterministic (torch.randperm replaced by arange, imgtrain's
+deterministic_sampling) and the gradients of a few parameters.
+
+Models: torchvision's maskrcnn_resnet50_fpn_v2 (BatchNorm FPN, two-conv RPN head, conv heads) and a
+v1 Mask R-CNN on resnet_fpn_backbone('resnet18') (imgtrain's maskrcnn_resnet18_fpn), both with 3
+classes so that softmax scores pass the 0.05 threshold, and fasterrcnn_resnet18 (v1 box head only).
+"""
+import os, sys
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+from torchvision.models.detection import FasterRCNN, MaskRCNN, maskrcnn_resnet50_fpn_v2
+from torchvision.models.detection import _utils as det_utils
+from torchvision.models.detection.backbone_utils import resnet_fpn_backbone
+
+out = sys.argv[1]
+os.makedirs(out, exist_ok=True)
+torch.manual_seed(0)
+g = torch.Generator().manual_seed(3)
+
+
+def calibrate_bn(model, x):
+    """BatchNorm running statistics from one pass (random init leaves 0 / 1, which lets
+    activations grow through 50 layers); momentum 1 so the stats are the batch's."""
+    bns = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+    for m in bns:
+        m.momentum = 1.0
+    model.backbone.train()
+    with torch.no_grad():
+        model.backbone(x)
+    for m in bns:
+        m.momentum = 0.1
+
+
+def make(arch):
+    if arch == "maskrcnn_resnet50_fpn_v2":
+        return maskrcnn_resnet50_fpn_v2(weights=None, weights_backbone=None, num_classes=3, min_size=256, max_size=400)
+    bb = resnet_fpn_backbone(backbone_name="resnet18", weights=None, norm_layer=nn.BatchNorm2d, trainable_layers=5)
+    cls = MaskRCNN if arch.startswith("mask") else FasterRCNN
+    return cls(bb, num_classes=3, min_size=256, max_size=400)
+
+
+for arch in ["maskrcnn_resnet18_fpn", "fasterrcnn_resnet18_fpn", "maskrcnn_resnet50_fpn_v2"]:
+    model = make(arch)
+    t = {}
+    # two images of different sizes with objects (boxes and masks)
+    images, targets = [], []
+    for (h, w) in [(190, 250), (240, 170)]:
+        img = torch.rand(3, h, w, generator=g)
+        n = 4
+        xy = torch.rand(n, 2, generator=g) * torch.tensor([w * 0.6, h * 0.6])
+        wh = torch.rand(n, 2, generator=g) * torch.tensor([w * 0.4, h * 0.4]) + 8
+        boxes = torch.cat([xy, xy + wh], 1)
+        masks = torch.zeros(n, h, w, dtype=torch.uint8)
+        for k in range(n):
+            x0, y0, x1, y1 = boxes[k].long().tolist()
+            masks[k, y0 + 2:y1 - 1, x0 + 1:x1 - 2] = 1
+        images.append(img)
+        targets.append({"boxes": boxes, "labels": torch.randint(1, 3, (n,), generator=g), "masks": masks})
+    model.eval()
+    il, tt = model.transform(images, [dict(d) for d in targets])
+    calibrate_bn(model, il.tensors)
+    model.eval()
+    t["images"] = il.tensors.contiguous()
+    t["sizes"] = torch.tensor(il.image_sizes, dtype=torch.int64)
+    t["orig_sizes"] = torch.tensor([list(im.shape[-2:]) for im in images], dtype=torch.int64)
+    for j, d in enumerate(tt):
+        t[f"t{j}_boxes"], t[f"t{j}_labels"], t[f"t{j}_masks"] = d["boxes"], d["labels"], d["masks"]
+    with torch.no_grad():
+        feats = model.backbone(il.tensors)
+        props, _ = model.rpn(il, feats)
+        dets, _ = model.roi_heads(feats, props, il.image_sizes)
+        for j, d in enumerate(dets):
+            t[f"proposals{j}"] = props[j]
+            for k, v in d.items():
+                t[f"det{j}_{k}"] = v.contiguous()
+        post = model.transform.postprocess([dict(d) for d in dets], il.image_sizes, [tuple(im.shape[-2:]) for im in images])
+        for j, d in enumerate(post):
+            t[f"post{j}_boxes"] = d["boxes"].contiguous()
+            if "masks" in d:
+                t[f"post{j}_masks"] = d["masks"].contiguous()
+    # training: deterministic samplers, the same batch and targets
+    sd = {k: v.clone().contiguous() for k, v in model.state_dict().items()}
+    model.train()
+    orig = torch.randperm
+    det_utils.torch.randperm = lambda n, device=None, **kw: torch.arange(n, device=device)
+    try:
+        il2 = type(il)(il.tensors, il.image_sizes)
+        feats = model.backbone(il2.tensors)
+        props, rpn_losses = model.rpn(il2, feats, tt)
+        _, det_losses = model.roi_heads(feats, props, il2.image_sizes, tt)
+    finally:
+        det_utils.torch.randperm = orig
+    losses = {**det_losses, **rpn_losses}
+    total = sum(losses.values())
+    total.backward()
+    for k, v in losses.items():
+        t["loss_" + k.removeprefix("loss_")] = v.detach().reshape(1)
+    named = dict(model.named_parameters())
+    for k in ["backbone.body.conv1.weight", "backbone.fpn.layer_blocks.0.0.weight", "rpn.head.cls_logits.weight",
+              "roi_heads.box_predictor.bbox_pred.weight"] + (["roi_heads.mask_predictor.mask_fcn_logits.weight"]
+                                                            if arch.startswith("mask") else []):
+        t["grad." + k] = named[k].grad.contiguous()
+    for k, v in sd.items():
+        t["sd." + k] = v
+    save_file(t, os.path.join(out, arch + ".safetensors"))
+    print(arch, {k: round(float(v), 5) for k, v in losses.items()}, [len(d["boxes"]) for d in dets])

@@ -1,0 +1,144 @@
+// Faster / Mask R-CNN against torchvision (references from make_rcnn_refs.py): the same weights
+// and the same transformed images give the same proposals, detections (boxes, scores, labels, mask
+// probabilities) and postprocessed outputs, and in training the same five losses and gradients
+// with the balanced samplers made deterministic.
+#include "io/safetensors.h"
+#include "io/weights.h"
+#include "model_zoo/detection/rcnn.h"
+
+#include <catch2/catch.hpp>
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+using namespace imgtrain;
+using namespace imgtrain::model_zoo::detection;
+
+namespace {
+
+struct Refs {
+  io::SafeTensors st;
+  at::Tensor get(const std::string& k) const {
+    const at::Tensor* t = st.find(k);
+    if (!t) throw std::runtime_error("missing reference " + k);
+    return *t;
+  }
+  bool has(const std::string& k) const { return st.find(k) != nullptr; }
+};
+
+Refs load(const std::string& arch) {
+  return {io::load_safetensors(std::string(IMGTRAIN_PARITY_DIR) + "/rcnn/" + arch + ".safetensors")};
+}
+
+GeneralizedRCNN model_for(const std::string& arch, const Refs& r) {
+  RCNNOptions o;
+  o.num_classes = 3;
+  o.deterministic_sampling = true;
+  auto m = create_rcnn(arch, o);
+  io::load_state_dict(*m, r.st, "sd.", "torchvision's state dict");
+  return m;
+}
+
+ImageBatch batch(const Refs& r, const char* key = "sizes") {
+  ImageBatch b;
+  b.tensors = r.get("images");
+  auto s = r.get(key);
+  for (int64_t i = 0; i < s.size(0); ++i) b.sizes.push_back({s[i][0].item<int64_t>(), s[i][1].item<int64_t>()});
+  return b;
+}
+
+void check_close(const at::Tensor& got, const at::Tensor& want, double atol, const std::string& what) {
+  INFO(what << ": got " << got.sizes() << " want " << want.sizes());
+  REQUIRE(got.sizes() == want.sizes());
+  if (got.numel() == 0) return;
+  const double diff = (got.to(at::kDouble) - want.to(at::kDouble)).abs().max().item<double>();
+  INFO(what << ": max abs difference " << diff);
+  CHECK(diff <= atol);
+}
+
+void eval_parity(const std::string& arch) {
+  const auto r = load(arch);
+  auto m = model_for(arch, r);
+  m->eval();
+  torch::NoGradGuard ng;
+  const auto b = batch(r);
+  auto res = m->forward(b);
+  REQUIRE(res.detections.size() == 2);
+  const auto orig = batch(r, "orig_sizes").sizes;
+  for (size_t j = 0; j < 2; ++j) {
+    auto& d = res.detections[j];
+    const std::string p = fmt::format("det{}_", j);
+    CHECK(d.boxes.size(0) > 10);  // random weights still leave detections to compare
+    check_close(d.boxes, r.get(p + "boxes"), 1e-3, p + "boxes");
+    check_close(d.scores, r.get(p + "scores"), 1e-5, p + "scores");
+    CHECK(torch::equal(d.labels, r.get(p + "labels")));
+    if (m->has_mask()) check_close(d.masks, r.get(p + "masks"), 1e-4, p + "masks");
+    postprocess(d, b.sizes[j], orig[j]);
+    check_close(d.boxes, r.get(fmt::format("post{}_boxes", j)), 1e-3, "postprocessed boxes");
+    if (m->has_mask()) {
+      const auto want = r.get(fmt::format("post{}_masks", j));
+      check_close(d.masks, want, 1e-4, "pasted masks");
+    }
+  }
+}
+
+void train_parity(const std::string& arch) {
+  const auto r = load(arch);
+  auto m = model_for(arch, r);
+  m->train();
+  const auto b = batch(r);
+  std::vector<Target> targets;
+  for (int j = 0; j < 2; ++j) {
+    const std::string p = fmt::format("t{}_", j);
+    targets.push_back({r.get(p + "boxes"), r.get(p + "labels"), r.get(p + "masks")});
+  }
+  auto res = m->forward(b, &targets);
+  std::vector<std::string> names;
+  at::Tensor total;
+  for (auto& [k, v] : res.losses) {
+    names.push_back(k);
+    const auto want = r.get("loss_" + k.substr(5));
+    INFO(k << " " << v.item<double>() << " vs torchvision " << want.item<double>());
+    CHECK(std::abs(v.item<double>() - want.item<double>()) <= 1e-5 * std::max(1.0, std::abs(want.item<double>())));
+    total = total.defined() ? total + v : v;
+  }
+  std::vector<std::string> expected = {"loss_classifier", "loss_box_reg"};
+  if (m->has_mask()) expected.push_back("loss_mask");
+  expected.push_back("loss_objectness");
+  expected.push_back("loss_rpn_box_reg");
+  CHECK(names == expected);
+  total.backward();
+  auto params = m->named_parameters();
+  int grads = 0;
+  for (auto& item : r.st.tensors) {
+    const std::string& k = item.first;
+    if (k.rfind("grad.", 0) != 0) continue;
+    const auto name = k.substr(5);
+    const auto* p = params.find(name);
+    REQUIRE(p);
+    REQUIRE(p->grad().defined());
+    const auto want = item.second;
+    const double scale = want.abs().max().item<double>();
+    check_close(p->grad(), want, 1e-4 * scale + 1e-7, "gradient of " + name);
+    ++grads;
+  }
+  CHECK(grads >= 4);
+}
+
+}  // namespace
+
+TEST_CASE("Mask R-CNN R18-FPN evaluation equals torchvision's", "[parity][rcnn]") { eval_parity("maskrcnn_resnet18_fpn"); }
+TEST_CASE("Faster R-CNN R18-FPN evaluation equals torchvision's", "[parity][rcnn]") {
+  eval_parity("fasterrcnn_resnet18_fpn");
+}
+TEST_CASE("Mask R-CNN R50-FPN v2 evaluation equals torchvision's", "[parity][rcnn]") {
+  eval_parity("maskrcnn_resnet50_fpn_v2");
+}
+TEST_CASE("Mask R-CNN R18-FPN training losses and gradients equal torchvision's", "[parity][rcnn]") {
+  train_parity("maskrcnn_resnet18_fpn");
+}
+TEST_CASE("Faster R-CNN R18-FPN training losses and gradients equal torchvision's", "[parity][rcnn]") {
+  train_parity("fasterrcnn_resnet18_fpn");
+}
+TEST_CASE("Mask R-CNN R50-FPN v2 training losses and gradients equal torchvision's", "[parity][rcnn]") {
+  train_parity("maskrcnn_resnet50_fpn_v2");
+}
