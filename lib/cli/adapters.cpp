@@ -51,6 +51,7 @@ data::LoaderOptions loader_options(const Config& cfg) {
   lo.workers = cfg.workers;
   lo.seed = uint64_t(cfg.seed);
   lo.repeats = cfg.aug_repeats;
+  lo.aspect_ratio_group_factor = cfg.aspect_ratio_group_factor;  // datasets with targets only
   return lo;
 }
 

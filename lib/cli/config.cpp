@@ -161,8 +161,9 @@ const std::vector<Flag>& flags() {
       {"model-ema-warmup", "", &Config::model_ema_warmup, "Warm the EMA decay up"},
       // data
       {"data-dir", "", &Config::data_dir, "Path to the dataset root", BOTH | BENCH},
-      {"dataset", "", &Config::dataset, "Dataset type: '' (ImageFolder) or fashion-mnist", BOTH | BENCH,
-       {"", "fashion-mnist"}},
+      {"dataset", "", &Config::dataset,
+       "Dataset type: '' (ImageFolder), fashion-mnist, or coco (DIR/{split}2017 + DIR/annotations/instances_{split}2017.json)",
+       BOTH | BENCH, {"", "fashion-mnist", "coco"}},
       {"train-split", "", &Config::train_split, "Training split folder", TRAIN | BENCH},
       {"val-split", "", &Config::val_split, "Validation split folder", TRAIN},
       {"split", "", &Config::split, "Split to validate", VALIDATE},
@@ -191,6 +192,45 @@ const std::vector<Flag>& flags() {
       {"num-bench-iter", "", &Config::num_bench_iter, "Benchmark iterations", BENCH, {}, positive},
       {"channels-last", "", &Config::channels_last, "Channels-last (NHWC) memory layout for weights and inputs", ALL},
       // distributed
+      // detection (torchvision's references/detection/train.py names)
+      {"task", "", &Config::task, "The task (default: the model's): classification or detection", BOTH,
+       {"", "classification", "detection"}},
+      {"aspect-ratio-group-factor", "", &Config::aspect_ratio_group_factor,
+       "Batch images of similar aspect ratio: 2k+2 groups (torchvision's GroupedBatchSampler); -1: off", TRAIN},
+      {"trainable-backbone-layers", "", &Config::trainable_backbone_layers,
+       "Backbone layers trained, 0-5 from layer4 down (default: 3 from backbone weights, else all)", TRAIN, {},
+       non_negative},
+      {"rpn-score-thresh", "", &Config::rpn_score_thresh, "Minimum objectness of an RPN proposal", BOTH, {},
+       probability},
+      {"data-augmentation", "", &Config::data_augmentation,
+       "Detection training augmentation: hflip, or multiscale (shorter side drawn from 480..800 by 32, and hflip)",
+       TRAIN, {"hflip", "multiscale"}},
+      {"min-size", "", &Config::min_size,
+       "Detection: shorter side(s) of the model's resize; training draws one per image, evaluation takes the last",
+       BOTH, {}, positive, 0},
+      {"max-size", "", &Config::max_size, "Detection: longest side limit of the model's resize", BOTH, {}, positive},
+      {"rpn-pre-nms-top-n-train", "", &Config::rpn_pre_nms_top_n_train,
+       "RPN proposals kept per level before NMS, training", TRAIN, {}, positive},
+      {"rpn-pre-nms-top-n-test", "", &Config::rpn_pre_nms_top_n_test,
+       "RPN proposals kept per level before NMS, evaluation", BOTH, {}, positive},
+      {"rpn-post-nms-top-n-train", "", &Config::rpn_post_nms_top_n_train,
+       "RPN proposals kept per image after NMS, training (Detectron2: 1000)", TRAIN, {}, positive},
+      {"rpn-post-nms-top-n-test", "", &Config::rpn_post_nms_top_n_test,
+       "RPN proposals kept per image after NMS, evaluation", BOTH, {}, positive},
+      {"rpn-nms-thresh", "", &Config::rpn_nms_thresh, "RPN NMS IoU threshold", BOTH, {}, probability},
+      {"rpn-batch-size-per-image", "", &Config::rpn_batch_size_per_image, "Anchors sampled per image for the RPN loss",
+       TRAIN, {}, positive},
+      {"box-batch-size-per-image", "", &Config::box_batch_size_per_image,
+       "RoIs sampled per image for the box (and mask) losses", TRAIN, {}, positive},
+      {"box-score-thresh", "", &Config::box_score_thresh, "Minimum score of a detection", BOTH, {}, probability},
+      {"box-nms-thresh", "", &Config::box_nms_thresh, "Per-class NMS IoU threshold of detections", BOTH, {},
+       probability},
+      {"box-detections-per-img", "", &Config::box_detections_per_img, "Detections kept per image", BOTH, {},
+       positive},
+      {"box-sampling-ratio", "", &Config::box_sampling_ratio,
+       "RoIAlign samples per bin side (0: adaptive, Detectron2's ROIAlignV2)", BOTH, {}, non_negative},
+      {"roi-align-v2", "", &Config::roi_align_v2, "RoIAlign with aligned=True (Detectron2's ROIAlignV2)", BOTH},
+      {"box-loss", "", &Config::box_loss, "Box regression loss of the RoI head", TRAIN, {"smooth_l1", "l1"}},
       {"nproc-per-node", "num-gpus", &Config::nproc_per_node,
        "Launch this many worker processes on this node (torchrun's contract; 0: run in this process)", TRAIN | BENCH, {},
        non_negative},
@@ -593,7 +633,20 @@ void check_flags_for_task(const Config& c, const std::string& task, const std::s
       "cutmix-minmax", "mixup-prob", "mixup-switch-prob", "mixup-mode", "mixup-off-epoch", "aa",
       "color-jitter", "reprob",     "remode",            "recount",        "scale",      "ratio",
       "vflip",      "train-interpolation", "crop-pct",  "gp",             "drop",       "aug-repeats"};
-  if (task == "classification") return;
+  static const char* const detection_only[] = {
+      "aspect-ratio-group-factor", "trainable-backbone-layers", "rpn-score-thresh", "data-augmentation", "min-size",
+      "max-size", "rpn-pre-nms-top-n-train", "rpn-pre-nms-top-n-test", "rpn-post-nms-top-n-train",
+      "rpn-post-nms-top-n-test", "rpn-nms-thresh", "rpn-batch-size-per-image", "box-batch-size-per-image",
+      "box-score-thresh", "box-nms-thresh", "box-detections-per-img", "box-sampling-ratio", "roi-align-v2", "box-loss"};
+  if (!c.task.empty() && c.task != task)
+    throw UserError(fmt::format("--task {}: --model {} is a {} model", c.task, model, task));
+  if (task == "classification") {
+    for (const char* f : detection_only)
+      if (c.was_given(f))
+        throw UserError(fmt::format("--{} applies to detection models only; --model {} is a classification model", f,
+                                    model));
+    return;
+  }
   for (const char* f : classification_only)
     if (c.was_given(f))
       throw UserError(fmt::format("--{} applies to classification models only; --model {} is a {} model", f, model,

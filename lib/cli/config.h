@@ -138,6 +138,25 @@ struct Config {
   double aug_repeats = 0.0;
   bool no_ddp_bb = false;
   int64_t local_rank = 0;  // accepted for timm compatibility; the environment's LOCAL_RANK rules
+  // detection (torchvision's references/detection flags)
+  std::string task;  // "" = the model's task; classification | detection must match it
+  int64_t aspect_ratio_group_factor = 3;
+  std::optional<int64_t> trainable_backbone_layers;
+  double rpn_score_thresh = 0.0;
+  std::string data_augmentation = "hflip";
+  std::vector<double> min_size{800};
+  double max_size = 1333;
+  // torchvision's FasterRCNN keyword arguments (Detectron2's MODEL.RPN.* / MODEL.ROI_HEADS.* keys)
+  int64_t rpn_pre_nms_top_n_train = 2000, rpn_pre_nms_top_n_test = 1000;
+  int64_t rpn_post_nms_top_n_train = 2000, rpn_post_nms_top_n_test = 1000;
+  double rpn_nms_thresh = 0.7;
+  int64_t rpn_batch_size_per_image = 256;
+  int64_t box_batch_size_per_image = 512;
+  double box_score_thresh = 0.05, box_nms_thresh = 0.5;
+  int64_t box_detections_per_img = 100;
+  int64_t box_sampling_ratio = 2;
+  bool roi_align_v2 = false;
+  std::string box_loss = "smooth_l1";
 
   // The flags (long names) the command line or the -c file set, for checks that a flag given
   // where it has no effect is an error rather than silently ignored.

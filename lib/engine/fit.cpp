@@ -170,8 +170,13 @@ int fit(const cli::Config& cfg, torch::Device device, dist::Context* ctx) {
   r.setup = tasks::create_train_task(cfg, rank, world);
   Task& task = *r.setup.task;
   const auto names = task.metric_names();
-  if (std::find(names.begin(), names.end(), cfg.eval_metric) == names.end())
-    throw UserError(fmt::format("--eval-metric '{}': expected one of {} (what the {} task reports)", cfg.eval_metric,
+  // timm's default (top1) where the task reports it; otherwise the task's first metric (bbox_AP)
+  const std::string eval_metric =
+      !cfg.was_given("eval-metric") && std::find(names.begin(), names.end(), cfg.eval_metric) == names.end()
+          ? names.front()
+          : cfg.eval_metric;
+  if (std::find(names.begin(), names.end(), eval_metric) == names.end())
+    throw UserError(fmt::format("--eval-metric '{}': expected one of {} (what the {} task reports)", eval_metric,
                                 fmt::join(names, ", "), task.name()));
   const DataConfig& dc = r.setup.data;
   const Amp amp = resolve_amp(cfg.amp, cfg.amp_dtype, cfg.amp_opt_level);
@@ -199,6 +204,8 @@ int fit(const cli::Config& cfg, torch::Device device, dist::Context* ctx) {
   elo.shuffle = false;
   elo.drop_last = false;
   elo.refill_unreadable = false;
+  elo.pad_shares = !r.setup.sharded_eval;
+  elo.aspect_ratio_group_factor = -1;
   data::Loader eval_loader(r.setup.eval, r.setup.eval_transform, elo);
 
   const int64_t updates_per_epoch =
@@ -218,7 +225,7 @@ int fit(const cli::Config& cfg, torch::Device device, dist::Context* ctx) {
     resume_path = find_latest_checkpoint(run.dir());
     if (resume_path.empty()) log::info("--resume auto: no checkpoint in '{}' yet; starting from scratch", run.dir());
   }
-  CheckpointSaver saver(run.dir(), cfg.checkpoint_hist, /*decreasing=*/cfg.eval_metric == "loss");
+  CheckpointSaver saver(run.dir(), cfg.checkpoint_hist, /*decreasing=*/eval_metric == "loss");
   ResumePoint rp = resume(r, cfg, resume_path, saver);
   int64_t start_epoch = rp.start_epoch;
   if (cfg.model_ema) {
@@ -314,8 +321,10 @@ int fit(const cli::Config& cfg, torch::Device device, dist::Context* ctx) {
       eopt.log_suffix = " (EMA)";
       last_eval = evaluate(task, r.ema->module(), eval_loader, eopt);
     }
-    const double metric = last_eval.get(cfg.eval_metric);
-    run.append_summary(epoch, {{"loss", res.loss}}, last_eval.metrics, r.optimizer->mean_lr());
+    const double metric = last_eval.get(eval_metric);
+    NamedValues train_values{{"loss", res.loss}};
+    train_values.insert(train_values.end(), res.parts.begin(), res.parts.end());
+    run.append_summary(epoch, train_values, last_eval.metrics, r.optimizer->mean_lr());
 
     // timm's lr_scheduler.step(epoch + 1, metric), before the checkpoint so that it holds the
     // plateau scheduler's state after this epoch's metric.
@@ -339,12 +348,17 @@ int fit(const cli::Config& cfg, torch::Device device, dist::Context* ctx) {
   if (saver.best_metric) log::info("*** Best metric: {} (epoch {})", *saver.best_metric, saver.best_epoch);
   log::info("Training time: {:.1f} min for epochs {}..{}",
             std::chrono::duration<double>(Clock::now() - fit_start).count() / 60.0, start_epoch, num_epochs - 1);
-  if (last_eval.count && r.ema && !cfg.model_ema_force_cpu)
-    log::info("Final test accuracy: {:.4f} (EMA; the model itself {:.4f}; top-1 of the last epoch on {} images)",
-              last_eval.get("top1") / 100.0, last_model_eval.get("top1") / 100.0, last_eval.count);
-  else if (last_eval.count)
-    log::info("Final test accuracy: {:.4f} (top-1 of the last epoch on {} images)", last_eval.get("top1") / 100.0,
+  if (last_eval.count && task.name() == "classification") {  // the README's headline number
+    if (r.ema && !cfg.model_ema_force_cpu)
+      log::info("Final test accuracy: {:.4f} (EMA; the model itself {:.4f}; top-1 of the last epoch on {} images)",
+                last_eval.get("top1") / 100.0, last_model_eval.get("top1") / 100.0, last_eval.count);
+    else
+      log::info("Final test accuracy: {:.4f} (top-1 of the last epoch on {} images)", last_eval.get("top1") / 100.0,
+                last_eval.count);
+  } else if (last_eval.count) {
+    log::info("Final {}: {:.2f} (the last epoch on {} images)", eval_metric, last_eval.get(eval_metric),
               last_eval.count);
+  }
   log::set_file("");
   return 0;
 }

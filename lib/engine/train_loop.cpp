@@ -106,6 +106,7 @@ EpochResult train_one_epoch(Task& task, torch::nn::Module& model, data::Loader& 
   const int64_t updates_per_epoch = (n_batches + o.accum_steps - 1) / o.accum_steps;
   const int64_t last_batch_idx_to_accum = n_batches - last_accum;
   AverageMeter update_time, data_time, losses;
+  std::vector<std::pair<std::string, AverageMeter>> parts;  // the task's named loss parts
   // Gradient all-reduces this epoch: all of the group's minus the trainer's own.
   const int64_t grad_reduces0 = o.dist ? o.dist->allreduce_calls() - o.dist->own_allreduce_calls() : 0;
   int64_t updates_done = 0, micro_batches = 0;
@@ -135,10 +136,17 @@ EpochResult train_one_epoch(Task& task, torch::nn::Module& model, data::Loader& 
       const int64_t n = item->x.size(0);
       // DDP: micro-steps that do not update keep their gradients local (no_sync).
       if (o.grad_sync) o.grad_sync->before_forward(need_update);
-      at::Tensor loss;
+      StepOutput out;
       {
         AutocastScope autocast(o.amp && !o.master, o.device.type(), o.amp_dtype);
-        loss = task.forward_train(model, item->x, b, step).loss;
+        out = task.forward_train(model, item->x, b, step);
+      }
+      at::Tensor loss = out.loss;
+      if (!out.parts.empty()) {
+        if (parts.empty())
+          for (auto& [k, v] : out.parts) parts.emplace_back(k, AverageMeter());
+        for (size_t i = 0; i < out.parts.size() && i < parts.size(); ++i)
+          parts[i].second.update(out.parts[i].second.item<double>(), n);
       }
       if (o.grad_sync) o.grad_sync->after_forward(need_update);
       if (accum > 1) loss = loss / double(accum);
@@ -180,16 +188,19 @@ EpochResult train_one_epoch(Task& task, torch::nn::Module& model, data::Loader& 
     update_start = Clock::now();
     if (last_batch || update_idx % o.log_interval == 0) {
       double loss_now = losses.val, loss_avg = losses.avg();
-      if (o.dist) {  // as timm: each rank keeps its own running average; the log shows the mean
-        auto m = o.dist->mean({loss_now, loss_avg});
-        loss_now = m[0], loss_avg = m[1];
-      }
+      std::vector<double> vals{loss_now, loss_avg};
+      for (auto& [k, m] : parts) vals.push_back(m.val), vals.push_back(m.avg());
+      if (o.dist) vals = o.dist->mean(vals);  // as timm: each rank keeps its own running average; the log shows the mean
+      loss_now = vals[0], loss_avg = vals[1];
+      std::string part_text;
+      for (size_t i = 0; i < parts.size(); ++i)
+        part_text += fmt::format("  {}: {:#.3g} ({:#.3g})", parts[i].first, vals[2 + 2 * i], vals[3 + 2 * i]);
       log::info("Train: {} [{:>4d}/{} ({:>3.0f}%)]  Loss: {:#.3g} ({:#.3g})  Time: {:.3f}s, {:>7.2f}/s  "
-                "({:.3f}s, {:>7.2f}/s)  LR: {:.3e}  Data: {:.3f} ({:.3f})",
+                "({:.3f}s, {:>7.2f}/s)  LR: {:.3e}  Data: {:.3f} ({:.3f}){}",
                 o.epoch, update_idx, updates_per_epoch, 100.0 * double(update_idx + 1) / double(updates_per_epoch),
                 loss_now, loss_avg, update_time.val, double(update_samples) / update_time.val,
                 update_time.avg(), double(update_samples) / update_time.avg(), optimizer.mean_lr(), data_time.val,
-                data_time.avg());
+                data_time.avg(), part_text);
     }
     if (o.save_recovery && o.recovery_interval && (update_idx + 1) % o.recovery_interval == 0 && !last_batch)
       o.save_recovery(update_idx);
@@ -209,6 +220,13 @@ EpochResult train_one_epoch(Task& task, torch::nn::Module& model, data::Loader& 
     data_start = Clock::now();
   }
   res.loss = losses.avg();
+  for (auto& [k, m] : parts) res.parts.emplace_back(k, m.avg());
+  if (o.dist && !res.parts.empty()) {
+    std::vector<double> v;
+    for (auto& [k, x] : res.parts) v.push_back(x);
+    v = o.dist->mean(v);
+    for (size_t i = 0; i < v.size(); ++i) res.parts[i].second = v[i];
+  }
   if (o.dist) {
     log::info("Distributed: {} gradient all-reduce(s) for {} update(s) of {} micro-batch(es); {} bucket(s)",
               o.dist->allreduce_calls() - o.dist->own_allreduce_calls() - grad_reduces0, updates_done, micro_batches,

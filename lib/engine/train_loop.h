@@ -43,6 +43,8 @@ struct LoopOptions {
 
 struct EpochResult {
   double loss = 0;            // average of the unscaled loss
+  // The task's named loss parts (detection: loss_classifier, loss_box_reg, ...), epoch averages.
+  std::vector<std::pair<std::string, double>> parts;
   int64_t skipped_steps = 0;  // optimizer updates skipped for non-finite gradients
   int stopped_by = 0;         // the signal that stopped the epoch early, or 0
   int64_t stopped_after = -1;  // the last update done before stopping

@@ -2,8 +2,10 @@
 
 #include "cli/adapters.h"
 #include "core/error.h"
+#include "core/log.h"
 #include "model_zoo/registry.h"
 #include "tasks/classification/classification.h"
+#include "tasks/detection/detection.h"
 
 namespace imgtrain::tasks {
 namespace {
@@ -134,23 +136,183 @@ TaskSetup classification_validate_setup(const cli::Config& cfg, const engine::Ch
   return s;
 }
 
+
+// ---- detection ----------------------------------------------------------------------------------
+
+// The COCO split to read: the flag's value, or COCO's own name for the defaults ("validation" -> val).
+std::string coco_split(const std::string& split, bool given) {
+  if (!given && split == "validation") return "val";
+  return split;
+}
+
+data::CocoOptions coco_options(bool train, bool masks, std::optional<int64_t> num_classes) {
+  data::CocoOptions co;
+  co.train = train;
+  co.masks = masks;
+  co.contiguous_labels = true;
+  return co;
+}
+
+// Contiguous labels 1..K by default (Detectron2's mapping, K + 1 classes); --num-classes 91 on
+// COCO keeps the json's category ids as labels (torchvision's COCO models).
+std::shared_ptr<data::CocoDetection> open_detection_split(const cli::Config& cfg, const std::string& split, bool train,
+                                                          bool masks) {
+  if (cfg.dataset != "coco")
+    throw UserError(fmt::format("--dataset '{}': detection models train on COCO-style data; use --dataset coco",
+                                cfg.dataset));
+  if (cfg.data_dir.empty()) throw UserError("--data-dir: required (the COCO root with annotations/)");
+  auto co = coco_options(train, masks, cfg.num_classes);
+  auto ds = data::open_coco(cfg.data_dir, split, "", co);
+  if (cfg.num_classes && *cfg.num_classes != ds->num_classes()) {
+    co.contiguous_labels = false;  // labels are the category ids: the model needs max id + 1 classes
+    auto by_id = data::open_coco(cfg.data_dir, split, "", co);
+    if (*cfg.num_classes < by_id->num_classes())
+      throw UserError(fmt::format("--num-classes {}: the {} split has {} categories (contiguous labels need {}; "
+                                  "labels by category id need {})",
+                                  *cfg.num_classes, split, ds->num_classes() - 1, ds->num_classes(),
+                                  by_id->num_classes()));
+    ds = by_id;
+  }
+  for (auto& w : ds->warnings()) log::warn("{}", w);
+  if (ds->removed_images())
+    log::info("{}: {} image(s) without a usable annotation left out of training", split, ds->removed_images());
+  return ds;
+}
+
+model_zoo::detection::RCNNOptions rcnn_options(const cli::Config& cfg, int64_t num_classes) {
+  model_zoo::detection::RCNNOptions o;
+  o.num_classes = num_classes;
+  o.from_weights = !cfg.pretrained_path.empty();
+  if (cfg.trainable_backbone_layers) o.trainable_backbone_layers = *cfg.trainable_backbone_layers;
+  o.rpn_score_thresh = cfg.rpn_score_thresh;
+  o.rpn_pre_nms_top_n_train = cfg.rpn_pre_nms_top_n_train;
+  o.rpn_pre_nms_top_n_test = cfg.rpn_pre_nms_top_n_test;
+  o.rpn_post_nms_top_n_train = cfg.rpn_post_nms_top_n_train;
+  o.rpn_post_nms_top_n_test = cfg.rpn_post_nms_top_n_test;
+  o.rpn_nms_thresh = cfg.rpn_nms_thresh;
+  o.rpn_batch_size_per_image = cfg.rpn_batch_size_per_image;
+  o.box_batch_size_per_image = cfg.box_batch_size_per_image;
+  o.box_score_thresh = cfg.box_score_thresh;
+  o.box_nms_thresh = cfg.box_nms_thresh;
+  o.box_detections_per_img = cfg.box_detections_per_img;
+  o.box_sampling_ratio = o.mask_sampling_ratio = cfg.box_sampling_ratio;
+  o.roi_aligned = cfg.roi_align_v2;
+  o.box_loss = cfg.box_loss;
+  return o;
+}
+
+engine::DataConfig detection_data_config(const cli::Config& cfg, const std::string& arch) {
+  const auto& d = model_zoo::model_defaults(arch);
+  engine::DataConfig dc;
+  dc.in_chans = 3;
+  dc.img_size = int64_t(cfg.min_size.back());
+  dc.crop_pct = 1.0;
+  dc.mean.assign(d.mean.begin(), d.mean.end());
+  dc.std.assign(d.std.begin(), d.std.end());
+  return dc;
+}
+
+engine::CheckpointMeta detection_meta(const std::string& arch, int64_t num_classes, const engine::DataConfig& dc) {
+  engine::CheckpointMeta m;
+  m.arch = arch;
+  m.task = "detection";
+  m.num_classes = num_classes;
+  m.in_chans = 3;
+  m.img_size = dc.img_size;
+  return m;
+}
+
+std::vector<int64_t> to_sizes(const std::vector<double>& v) {
+  std::vector<int64_t> out;
+  for (double d : v) out.push_back(int64_t(d));
+  return out;
+}
+
+TaskSetup detection_setup(const cli::Config& cfg, int64_t rank, int64_t world) {
+  TaskSetup s;
+  if (cfg.in_chans && *cfg.in_chans != 3) throw UserError("--in-chans: detection models take 3-channel images");
+  if (cfg.img_size) throw UserError("--img-size: detection models resize by --min-size / --max-size");
+  const bool masks = model_zoo::detection::rcnn_has_mask(cfg.model);
+  s.data = detection_data_config(cfg, cfg.model);
+  auto train = open_detection_split(cfg, coco_split(cfg.train_split, true), true, masks);
+  auto eval = open_detection_split(cfg, coco_split(cfg.val_split, cfg.was_given("val-split")), false, masks);
+  s.train = train;
+  s.eval = eval;
+  if (int64_t(train->size()) / world < cfg.batch_size)
+    throw UserError(fmt::format("--batch-size {}: the train split has only {} usable images for {} process(es)",
+                                cfg.batch_size, train->size(), world));
+  const int64_t num_classes = train->num_classes();
+  DetectionOptions o;
+  o.model = cfg.model;
+  o.rcnn = rcnn_options(cfg, num_classes);
+  o.pretrained_path = cfg.pretrained_path;
+  o.eval_min_size = cfg.min_size.back();
+  o.max_size = cfg.max_size;
+  o.seed = uint64_t(cfg.seed);
+  o.rank = rank;
+  o.eval_data = eval;
+  s.task = std::make_unique<DetectionTask>(std::move(o));
+  auto& tc = s.train_transform;
+  tc.train = true;
+  tc.no_aug = cfg.no_aug;
+  tc.channels = 3;
+  tc.hflip = cfg.hflip;
+  tc.min_sizes = to_sizes(cfg.min_size);
+  if (cfg.data_augmentation == "multiscale" && !cfg.was_given("min-size"))
+    tc.min_sizes = {480, 512, 544, 576, 608, 640, 672, 704, 736, 768, 800};  // torchvision's presets
+  s.eval_transform = tc;
+  s.eval_transform.train = false;
+  s.eval_transform.min_sizes = {int64_t(cfg.min_size.back())};
+  s.sharded_eval = true;
+  s.model_meta = detection_meta(cfg.model, num_classes, s.data);
+  return s;
+}
+
+TaskSetup detection_validate_setup(const cli::Config& cfg, const engine::CheckpointMeta* meta,
+                                   const std::string& arch) {
+  TaskSetup s;
+  const bool masks = model_zoo::detection::rcnn_has_mask(arch);
+  s.data = detection_data_config(cfg, arch);
+  auto eval = open_detection_split(cfg, coco_split(cfg.split, cfg.was_given("split")), false, masks);
+  s.eval = eval;
+  const int64_t num_classes = cfg.num_classes.value_or(meta && meta->num_classes ? *meta->num_classes
+                                                                                  : eval->num_classes());
+  if (num_classes < eval->num_classes())
+    throw UserError(fmt::format("--num-classes {}: the {} split has {} classes", num_classes, cfg.split,
+                                eval->num_classes()));
+  DetectionOptions o;
+  o.model = arch;
+  o.rcnn = rcnn_options(cfg, num_classes);
+  o.rcnn.from_weights = false;
+  o.pretrained_path = cfg.pretrained_path;
+  o.eval_min_size = cfg.min_size.back();
+  o.max_size = cfg.max_size;
+  o.eval_data = eval;
+  o.results_path = cfg.results_file.empty() ? "" : cfg.results_file + ".detections.json";
+  s.task = std::make_unique<DetectionTask>(std::move(o));
+  s.eval_transform.channels = 3;
+  s.eval_transform.min_sizes = {int64_t(cfg.min_size.back())};
+  s.sharded_eval = true;
+  s.model_meta = detection_meta(arch, num_classes, s.data);
+  return s;
+}
+
 }  // namespace
 
 TaskSetup create_validate_task(const cli::Config& cfg, const engine::CheckpointMeta* meta) {
   std::string arch = cfg.model;
   if (meta && !meta->arch.empty() && cfg.model == cli::Config{}.model) arch = meta->arch;
   const std::string task = model_zoo::model_task(arch);
+  cli::check_flags_for_task(cfg, task, arch);
   if (task == "classification") return classification_validate_setup(cfg, meta);
-  throw UserError(fmt::format("--model {}: a {} model; imgtrain validates only classification models so far", arch,
-                              task));
+  return detection_validate_setup(cfg, meta, arch);
 }
 
 TaskSetup create_train_task(const cli::Config& cfg, int64_t rank, int64_t world) {
   const std::string task = model_zoo::model_task(cfg.model);
   cli::check_flags_for_task(cfg, task, cfg.model);
   if (task == "classification") return classification_setup(cfg, rank, world);
-  throw UserError(fmt::format("--model {}: a {} model; imgtrain trains only classification models so far", cfg.model,
-                              task));
+  return detection_setup(cfg, rank, world);
 }
 
 }  // namespace imgtrain::tasks

@@ -22,6 +22,9 @@ struct TaskSetup {
   data::TransformConfig train_transform, eval_transform;
   engine::DataConfig data;
   engine::CheckpointMeta model_meta;  // the model part of what checkpoints record
+  // Evaluation sees each image once on one rank (no DistributedSampler padding), as the COCO
+  // evaluator's merge needs; classification pads as timm's OrderedDistributedSampler.
+  bool sharded_eval = false;
 };
 
 // For `imgtrain train`: datasets checked against the flags (class counts, batch sizes) before any

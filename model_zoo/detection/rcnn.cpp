@@ -704,6 +704,8 @@ const std::vector<std::string>& rcnn_names() {
   return n;
 }
 
+bool rcnn_has_mask(const std::string& arch) { return find_arch(arch).mask; }
+
 GeneralizedRCNN create_rcnn(const std::string& arch, const RCNNOptions& o) { return GeneralizedRCNN(arch, o); }
 
 }  // namespace imgtrain::model_zoo::detection

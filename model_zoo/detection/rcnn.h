@@ -105,6 +105,7 @@ void postprocess(Detections& d, std::array<int64_t, 2> resized, std::array<int64
 
 // The names registered (torchvision's builders), and a model by name.
 const std::vector<std::string>& rcnn_names();
+bool rcnn_has_mask(const std::string& arch);
 GeneralizedRCNN create_rcnn(const std::string& arch, const RCNNOptions& o);
 
 // Pieces with torchvision's numbers, public for the tests.

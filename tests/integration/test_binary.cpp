@@ -620,3 +620,85 @@ TEST_CASE("a second run into a folder in use is refused in one line naming the h
   INFO(again.output);
   CHECK(again.code == 0);
 }
+
+namespace {
+// Mask R-CNN on the small generated COCO set (parity_make_fashion_coco), sized to run in seconds.
+const std::string kDetArgs =
+    " --model maskrcnn_resnet18_fpn --dataset coco -b 2 --min-size 96 --max-size 160 --lr 0.01 --warmup-epochs 0"
+    " --sched multistep --decay-milestones 10 --weight-decay 1e-4 -j 2 --device cpu --log-interval 4"
+    " --box-batch-size-per-image 64 --rpn-post-nms-top-n-train 300 --rpn-pre-nms-top-n-test 300"
+    " --rpn-post-nms-top-n-test 300 ";
+std::vector<std::vector<std::string>> det_summary(const std::string& run) { return test::read_csv(run + "/summary.csv"); }
+}  // namespace
+
+TEST_CASE("Mask R-CNN trains on COCO data, logs its losses, resumes exactly and validates as pycocotools scores",
+          "[integration][detection]") {
+  const std::string data = std::string(IMGTRAIN_PARITY_DIR) + "/fcoco";
+  test::TempDir out("det");
+  auto r = test::run(kBin + " train --data-dir " + data + kDetArgs + " --epochs 2 --output " + out.path.string() +
+                     " --experiment straight");
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK_THAT(r.output, Catch::Contains("loss_classifier: ") && Catch::Contains("loss_mask: ") &&
+                           Catch::Contains("loss_rpn_box_reg: ") && Catch::Contains("Final bbox_AP: "));
+  const std::string run = out / "straight";
+  auto rows = det_summary(run);
+  REQUIRE(rows.size() == 3);
+  const std::vector<std::string> parts = {"train_loss_classifier", "train_loss_box_reg", "train_loss_mask",
+                                          "train_loss_objectness", "train_loss_rpn_box_reg"};
+  REQUIRE(rows[0].size() == 2 + parts.size() + 12 + 1);
+  CHECK(rows[0][1] == "train_loss");
+  for (size_t i = 0; i < parts.size(); ++i) CHECK(rows[0][2 + i] == parts[i]);
+  CHECK(rows[0][7] == "eval_bbox_AP");
+  CHECK(rows[0][13] == "eval_segm_AP");
+  for (size_t e = 1; e <= 2; ++e) {  // the parts add up to the loss (each an average over the same samples)
+    double sum = 0;
+    for (size_t i = 0; i < parts.size(); ++i) sum += std::stod(rows[e][2 + i]);
+    CHECK(sum == Approx(std::stod(rows[e][1])).epsilon(1e-6));
+  }
+  CHECK(std::stod(rows[2][1]) < std::stod(rows[1][1]));  // it learns
+
+  // 1 epoch, then --resume for the second: the same weights, bit for bit.
+  auto r1 = test::run(kBin + " train --data-dir " + data + kDetArgs + " --epochs 1 --output " + out.path.string() +
+                      " --experiment split");
+  REQUIRE(r1.code == 0);
+  auto r2 = test::run(kBin + " train --data-dir " + data + kDetArgs + " --epochs 2 --output " + out.path.string() +
+                      " --experiment split --resume " + (out / "split/last.safetensors"));
+  INFO(r2.output);
+  REQUIRE(r2.code == 0);
+  auto a = io::load_safetensors(run + "/last.safetensors"), b = io::load_safetensors(out / "split/last.safetensors");
+  int compared = 0;
+  for (auto& [k, v] : a.tensors) {
+    if (k.rfind("model.", 0) != 0) continue;
+    const at::Tensor* w = b.find(k);
+    REQUIRE(w);
+    INFO(k);
+    CHECK(torch::equal(v, *w));
+    ++compared;
+  }
+  CHECK(compared > 100);
+
+  // validate reproduces the last epoch's numbers, and pycocotools scores the written detections the same
+  auto v = test::run(kBin + " validate --checkpoint " + run + "/last.safetensors --dataset coco --data-dir " + data +
+                     " --min-size 96 --max-size 160 --rpn-pre-nms-top-n-test 300 --rpn-post-nms-top-n-test 300"
+                     " -b 2 --device cpu --results-file " + (out / "val.json") + " --results-format json");
+  INFO(v.output);
+  REQUIRE(v.code == 0);
+  const auto res = nlohmann::json::parse(test::read_file(out / "val.json"));
+  CHECK(res["bbox_AP"].get<double>() == Approx(std::stod(rows[2][7])).margin(1e-9));
+  CHECK(res["segm_AP"].get<double>() == Approx(std::stod(rows[2][13])).margin(1e-9));
+  const std::string dets = out / "val.json.detections.json";
+  REQUIRE(fs::exists(dets));
+  for (std::string type : {"bbox", "segm"}) {
+    auto py = test::run(kPython + " -c \"import sys, contextlib, io; from pycocotools.coco import COCO; "
+                        "from pycocotools.cocoeval import COCOeval; "
+                        "f = io.StringIO(); ctx = contextlib.redirect_stdout(f); ctx.__enter__(); "
+                        "gt = COCO(sys.argv[1]); dt = gt.loadRes(sys.argv[2]); e = COCOeval(gt, dt, sys.argv[3]); "
+                        "e.evaluate(); e.accumulate(); e.summarize(); ctx.__exit__(None, None, None); "
+                        "print(float(e.stats[0] * 100))\" " +
+                        data + "/annotations/instances_val2017.json " + dets + " " + type);
+    INFO(py.output);
+    REQUIRE(py.code == 0);
+    CHECK(std::stod(py.output) == Approx(res[type + "_AP"].get<double>()).margin(1e-9));
+  }
+}
