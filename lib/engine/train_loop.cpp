@@ -7,6 +7,8 @@
 #include "engine/setup.h"
 
 #include <torch/torch.h>
+
+#include <algorithm>
 #ifdef IMGTRAIN_WITH_CUDA
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -142,11 +144,12 @@ EpochResult train_one_epoch(Task& task, torch::nn::Module& model, data::Loader& 
         out = task.forward_train(model, item->x, b, step);
       }
       at::Tensor loss = out.loss;
-      if (!out.parts.empty()) {
-        if (parts.empty())
-          for (auto& [k, v] : out.parts) parts.emplace_back(k, AverageMeter());
-        for (size_t i = 0; i < out.parts.size() && i < parts.size(); ++i)
-          parts[i].second.update(out.parts[i].second.item<double>(), n);
+      // Parts beyond the total (a task whose only part is "loss" itself adds nothing to the log)
+      for (auto& [k, v] : out.parts) {
+        if (k == "loss") continue;
+        auto it = std::find_if(parts.begin(), parts.end(), [&](auto& p) { return p.first == k; });
+        if (it == parts.end()) it = parts.insert(parts.end(), {k, AverageMeter()});
+        it->second.update(v.item<double>(), n);
       }
       if (o.grad_sync) o.grad_sync->after_forward(need_update);
       if (accum > 1) loss = loss / double(accum);
