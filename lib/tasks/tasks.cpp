@@ -145,14 +145,6 @@ std::string coco_split(const std::string& split, bool given) {
   return split;
 }
 
-data::CocoOptions coco_options(bool train, bool masks, std::optional<int64_t> num_classes) {
-  data::CocoOptions co;
-  co.train = train;
-  co.masks = masks;
-  co.contiguous_labels = true;
-  return co;
-}
-
 // Contiguous labels 1..K by default (Detectron2's mapping, K + 1 classes); --num-classes 91 on
 // COCO keeps the json's category ids as labels (torchvision's COCO models).
 std::shared_ptr<data::CocoDetection> open_detection_split(const cli::Config& cfg, const std::string& split, bool train,
@@ -161,7 +153,9 @@ std::shared_ptr<data::CocoDetection> open_detection_split(const cli::Config& cfg
     throw UserError(fmt::format("--dataset '{}': detection models train on COCO-style data; use --dataset coco",
                                 cfg.dataset));
   if (cfg.data_dir.empty()) throw UserError("--data-dir: required (the COCO root with annotations/)");
-  auto co = coco_options(train, masks, cfg.num_classes);
+  data::CocoOptions co;
+  co.train = train;
+  co.masks = masks;
   auto ds = data::open_coco(cfg.data_dir, split, "", co);
   if (cfg.num_classes && *cfg.num_classes != ds->num_classes()) {
     co.contiguous_labels = false;  // labels are the category ids: the model needs max id + 1 classes

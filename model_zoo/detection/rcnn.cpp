@@ -76,10 +76,6 @@ struct ConvNormActImpl : torch::nn::Module {
 };
 TORCH_MODULE(ConvNormAct);
 
-ConvNormAct conv_norm_act(int64_t in, int64_t out, int64_t k, bool bn, bool relu) {
-  return ConvNormAct(in, out, k, bn, relu);
-}
-
 template <class F>
 void for_each_conv(torch::nn::Module& m, F f) {
   for (auto& c : m.modules(/*include_self=*/false))
@@ -95,8 +91,8 @@ struct FPNImpl : torch::nn::Module {
     inner_blocks = register_module("inner_blocks", torch::nn::ModuleList());
     layer_blocks = register_module("layer_blocks", torch::nn::ModuleList());
     for (int64_t c : in_channels) {
-      inner.push_back(conv_norm_act(c, out, 1, bn, false));
-      layer.push_back(conv_norm_act(out, out, 3, bn, false));
+      inner.push_back(ConvNormAct(c, out, 1, bn, false));
+      layer.push_back(ConvNormAct(out, out, 3, bn, false));
       inner_blocks->push_back(inner.back());
       layer_blocks->push_back(layer.back());
     }
@@ -171,7 +167,7 @@ struct RPNHeadImpl : torch::nn::Module {
   Conv2d cls_logits{nullptr}, bbox_pred{nullptr};
   RPNHeadImpl(int64_t in, int64_t anchors, int64_t depth) {
     conv = register_module("conv", Sequential());
-    for (int64_t i = 0; i < depth; ++i) conv->push_back(std::to_string(i), conv_norm_act(in, in, 3, false, true));
+    for (int64_t i = 0; i < depth; ++i) conv->push_back(std::to_string(i), ConvNormAct(in, in, 3, false, true));
     cls_logits = register_module("cls_logits", Conv2d(Conv2dOptions(in, anchors, 1)));
     bbox_pred = register_module("bbox_pred", Conv2d(Conv2dOptions(in, anchors * 4, 1)));
     torch::NoGradGuard ng;
@@ -220,7 +216,7 @@ TORCH_MODULE(Seq);
 Seq conv_fc_head(int64_t in, int64_t res) {
   Seq s;
   int64_t c = in;
-  for (int i = 0; i < 4; ++i, c = 256) s->push_back(std::to_string(i), conv_norm_act(c, 256, 3, true, true));
+  for (int i = 0; i < 4; ++i, c = 256) s->push_back(std::to_string(i), ConvNormAct(c, 256, 3, true, true));
   s->push_back("4", torch::nn::Flatten());
   s->push_back("5", Linear(256 * res * res, 1024));
   s->push_back("6", torch::nn::ReLU(torch::nn::ReLUOptions(true)));
@@ -236,7 +232,7 @@ Seq conv_fc_head(int64_t in, int64_t res) {
 Sequential mask_heads(int64_t in, bool bn) {
   Sequential s;
   int64_t c = in;
-  for (int i = 0; i < 4; ++i, c = 256) s->push_back(std::to_string(i), conv_norm_act(c, 256, 3, bn, true));
+  for (int i = 0; i < 4; ++i, c = 256) s->push_back(std::to_string(i), ConvNormAct(c, 256, 3, bn, true));
   torch::NoGradGuard ng;
   for_each_conv(*s, [](torch::nn::Conv2dImpl& c) {
     torch::nn::init::kaiming_normal_(c.weight, 0.0, torch::kFanOut, torch::kReLU);

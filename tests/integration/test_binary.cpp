@@ -628,7 +628,6 @@ const std::string kDetArgs =
     " --sched multistep --decay-milestones 10 --weight-decay 1e-4 -j 2 --device cpu --log-interval 4"
     " --box-batch-size-per-image 64 --rpn-post-nms-top-n-train 300 --rpn-pre-nms-top-n-test 300"
     " --rpn-post-nms-top-n-test 300 ";
-std::vector<std::vector<std::string>> det_summary(const std::string& run) { return test::read_csv(run + "/summary.csv"); }
 }  // namespace
 
 TEST_CASE("Mask R-CNN trains on COCO data, logs its losses, resumes exactly and validates as pycocotools scores",
@@ -642,7 +641,7 @@ TEST_CASE("Mask R-CNN trains on COCO data, logs its losses, resumes exactly and 
   CHECK_THAT(r.output, Catch::Contains("loss_classifier: ") && Catch::Contains("loss_mask: ") &&
                            Catch::Contains("loss_rpn_box_reg: ") && Catch::Contains("Final bbox_AP: "));
   const std::string run = out / "straight";
-  auto rows = det_summary(run);
+  auto rows = test::read_csv(run + "/summary.csv");
   REQUIRE(rows.size() == 3);
   const std::vector<std::string> parts = {"train_loss_classifier", "train_loss_box_reg", "train_loss_mask",
                                           "train_loss_objectness", "train_loss_rpn_box_reg"};
