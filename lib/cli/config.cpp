@@ -62,7 +62,12 @@ const std::vector<Flag>& flags() {
       {"in-chans", "", &Config::in_chans, "Image input channels (default: 3; 1 for grayscale)", ALL, {}, positive},
       {"crop-pct", "", &Config::crop_pct, "Eval center crop fraction (default: the model's)", BOTH, {}, crop_range},
       {"interpolation", "", &Config::interpolation, "Eval interpolation (default: the model's)", BOTH,
-       {"", "bilinear", "bicubic"}},
+       {"", "nearest", "bilinear", "bicubic", "box", "hamming", "lanczos"}},
+      {"crop-mode", "", &Config::crop_mode, "Eval crop: center, squash or border (default: the model's)", BOTH,
+       {"", "center", "squash", "border"}},
+      {"fast-decode", "", &Config::fast_decode,
+       "Eval: decode large JPEGs at 1/2, 1/4 or 1/8 scale before the resize (faster; pixels differ from timm's)",
+       BOTH},
       {"batch-size", "b", &Config::batch_size, "Input batch size per process", ALL, {}, positive},
       {"validation-batch-size", "-vb", &Config::validation_batch_size,
        "Validation batch size (default: --batch-size)", TRAIN, {}, positive},
@@ -133,7 +138,7 @@ const std::vector<Flag>& flags() {
       {"remode", "", &Config::remode, "Random erasing mode", TRAIN, {"const", "rand", "pixel"}},
       {"recount", "", &Config::recount, "Random erasing count", TRAIN, {}, positive},
       {"train-interpolation", "", &Config::train_interpolation, "Training interpolation", TRAIN | BENCH,
-       {"random", "bilinear", "bicubic"}},
+       {"random", "nearest", "bilinear", "bicubic", "box", "hamming", "lanczos"}},
       {"smoothing", "", &Config::smoothing, "Label smoothing", TRAIN, {}, smoothing_range},
       {"mixup", "", &Config::mixup, "Mixup alpha (mixup on when > 0)", TRAIN, {}, non_negative},
       {"cutmix", "", &Config::cutmix, "CutMix alpha (cutmix on when > 0)", TRAIN, {}, non_negative},
@@ -632,7 +637,8 @@ void check_flags_for_task(const Config& c, const std::string& task, const std::s
       "smoothing",  "bce-loss",    "bce-target-thresh", "bce-sum",        "mixup",      "cutmix",
       "cutmix-minmax", "mixup-prob", "mixup-switch-prob", "mixup-mode", "mixup-off-epoch", "aa",
       "color-jitter", "reprob",     "remode",            "recount",        "scale",      "ratio",
-      "vflip",      "train-interpolation", "crop-pct",  "gp",             "drop",       "aug-repeats"};
+      "vflip",      "train-interpolation", "crop-pct",  "gp",             "drop",       "aug-repeats",
+      "crop-mode",  "fast-decode",  "interpolation"};
   static const char* const detection_only[] = {
       "aspect-ratio-group-factor", "trainable-backbone-layers", "rpn-score-thresh", "data-augmentation", "min-size",
       "max-size", "rpn-pre-nms-top-n-train", "rpn-pre-nms-top-n-test", "rpn-post-nms-top-n-train",

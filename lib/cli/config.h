@@ -24,6 +24,8 @@ struct Config {
   std::string gp;  // global pool type, "" = the model's default
   std::optional<double> crop_pct;
   std::string interpolation;
+  std::string crop_mode;     // "" = the model's (timm: center)
+  bool fast_decode = false;  // eval JPEGs through the DCT-domain downscale (not timm's pixels)
   int64_t batch_size = 128;
   std::optional<int64_t> validation_batch_size;
   std::string device = "auto";

@@ -23,6 +23,7 @@ struct ModelDefaults {
   std::string first_conv = "conv1";
   std::string classifier = "fc";
   std::vector<std::string> tags;  // pretrained tags timm knows, the default first
+  std::string crop_mode = "center";  // timm pretrained_cfg crop_mode: center | squash | border
 };
 
 struct ModelArgs {

@@ -2,6 +2,7 @@
 
 #include "core/rng.h"
 #include "data/dataset.h"
+#include "data/resample.h"
 
 #include <fmt/format.h>
 #include <opencv2/imgproc.hpp>
@@ -42,50 +43,59 @@ CropBox random_resized_crop_box(int height, int width, const std::vector<double>
 
 namespace {
 
-// cv::resize's bilinear/bicubic do not low-pass when shrinking (PIL's do); area averaging stands
-// in for them from a 2x shrink on, where aliasing would otherwise show.
-int cv_interp(const std::string& name, cv::Size from, cv::Size to) {
-  if (to.width * 2 <= from.width && to.height * 2 <= from.height) return cv::INTER_AREA;
-  return name == "bicubic" ? cv::INTER_CUBIC : cv::INTER_LINEAR;
-}
-
 cv::Mat resize_to(const cv::Mat& src, cv::Size to, const std::string& interp) {
   if (src.size() == to) return src;
-  cv::Mat out;
-  cv::resize(src, out, to, 0, 0, cv_interp(interp, src.size(), to));
-  return out;
+  return pil_resize(src, to, parse_resample(interp));
 }
 
+// timm loads images with PIL's convert('RGB') / convert('L').
 cv::Mat to_channels(const cv::Mat& img, int channels) {
   if (img.channels() == channels) return img;
+  if (channels == 1 && img.channels() == 3) return pil_rgb_to_l(img);
+  if (channels != 3 || img.channels() != 1)
+    throw std::invalid_argument("cannot convert an image to the requested channel count");
   cv::Mat out;
-  if (channels == 3 && img.channels() == 1) cv::cvtColor(img, out, cv::COLOR_GRAY2RGB);
-  else if (channels == 1 && img.channels() == 3) cv::cvtColor(img, out, cv::COLOR_RGB2GRAY);
-  else throw std::invalid_argument("cannot convert an image to the requested channel count");
+  cv::cvtColor(img, out, cv::COLOR_GRAY2RGB);
   return out;
 }
 
-// Resize the shorter side to `size` keeping the aspect ratio (torchvision Resize(int)), then
-// center crop `crop` x `crop`.
-cv::Mat resize_center_crop(const cv::Mat& img, int size, int crop, const std::string& interp) {
-  const int64_t h = img.rows, w = img.cols;
-  const int64_t nh64 = w <= h ? int64_t(size) * h / w : size, nw64 = w <= h ? size : int64_t(size) * w / h;
+void check_resized_size(int64_t w, int64_t h, int64_t nw, int64_t nh) {
   // a 1 x 1,000,000 image would become 256 x 256,000,000 here
-  if (nw64 * nh64 > kMaxImagePixels)
+  if (nw * nh > kMaxImagePixels)
     throw DecodeError(fmt::format("an image of {}x{} resized to {}x{} is above the limit of {} pixels; skipped", w, h,
-                                  nw64, nh64, kMaxImagePixels));
-  int nh = int(nh64), nw = int(nw64);
-  cv::Mat r = resize_to(img, {nw, nh}, interp);
-  if (crop > nh || crop > nw) {  // torchvision pads; only reachable for crop_pct > 1
-    cv::Mat padded;
-    int pt = std::max(0, (crop - nh) / 2), pl = std::max(0, (crop - nw) / 2);
-    cv::copyMakeBorder(r, padded, pt, std::max(0, crop - nh - pt), pl, std::max(0, crop - nw - pl),
-                       cv::BORDER_CONSTANT, cv::Scalar::all(0));
-    r = padded;
-    nh = r.rows, nw = r.cols;
+                                  nw, nh, kMaxImagePixels));
+}
+
+// timm's eval geometry (transforms_imagenet_eval) for a square crop: the size of the resize, then
+// torchvision's CenterCrop (pad with 0 when the crop is larger) or timm's CenterCropOrPad (pad
+// with the mean colour). Only the cropped part of the resize is computed.
+cv::Mat resize_center_crop(const cv::Mat& img, int scale, int crop, const TransformConfig& tc, const std::string& interp) {
+  const int64_t h = img.rows, w = img.cols;
+  int64_t nh, nw;
+  cv::Scalar fill = cv::Scalar::all(0);
+  if (tc.crop_mode == "squash") {
+    nh = nw = scale;
+  } else if (tc.crop_mode == "border") {  // ResizeKeepRatio(longest=1): the longer side to `scale`
+    const double ratio = std::max(double(h) / scale, double(w) / scale);
+    nh = std::max<int64_t>(1, int64_t(std::nearbyint(double(h) / ratio)));
+    nw = std::max<int64_t>(1, int64_t(std::nearbyint(double(w) / ratio)));
+    for (int c = 0; c < 3 && c < int(tc.mean.size()); ++c) fill[c] = std::nearbyint(255 * tc.mean[size_t(c)]);
+  } else {  // torchvision Resize(int): the shorter side to `scale`, the longer truncated
+    nh = w <= h ? int64_t(scale) * h / w : scale;
+    nw = w <= h ? scale : int64_t(scale) * w / h;
   }
-  int top = int(std::nearbyint((nh - crop) / 2.0)), left = int(std::nearbyint((nw - crop) / 2.0));
-  return r(cv::Rect(left, top, crop, crop));
+  check_resized_size(w, h, nw, nh);
+  const cv::Size to{int(nw), int(nh)};
+  if (crop <= nh && crop <= nw) {  // torchvision: top = round((h - crop) / 2), halves to even
+    const int top = int(std::nearbyint((nh - crop) / 2.0)), left = int(std::nearbyint((nw - crop) / 2.0));
+    const cv::Rect roi(left, top, crop, crop);
+    return to == img.size() ? img(roi) : pil_resize(img, to, parse_resample(interp), roi);
+  }
+  cv::Mat r = resize_to(img, to, interp), padded;
+  const int ph = std::max(0, crop - int(nh)), pw = std::max(0, crop - int(nw));
+  cv::copyMakeBorder(r, padded, ph / 2, (ph + 1) / 2, pw / 2, (pw + 1) / 2, cv::BORDER_CONSTANT, fill);
+  const int top = int(std::nearbyint((padded.rows - crop) / 2.0)), left = int(std::nearbyint((padded.cols - crop) / 2.0));
+  return padded(cv::Rect(left, top, crop, crop));
 }
 
 }  // namespace
@@ -142,7 +152,7 @@ cv::Mat apply_transform(const cv::Mat& in, const TransformConfig& tc, std::mt199
   cv::Mat img = to_channels(in, tc.channels);
   if (!tc.train || tc.no_aug) {
     const auto cc = center_crop_params(tc);
-    return contiguous(resize_center_crop(img, cc.scale_size, tc.size, cc.interp));
+    return contiguous(resize_center_crop(img, cc.scale_size, tc.size, tc, cc.interp));
   }
   CropBox box = random_resized_crop_box(img.rows, img.cols, tc.scale, tc.ratio, rng);
   return contiguous(train_from_crop(img(cv::Rect(box.left, box.top, box.width, box.height)), tc, rng));
@@ -155,9 +165,9 @@ cv::Mat apply_transform_encoded(const std::string& bytes, const TransformConfig&
   if (!tc.train || tc.no_aug) {
     const auto cc = center_crop_params(tc);
     const int shorter = std::min(full.width, full.height);
-    const int d = dct_denominator(shorter, shorter, cc.scale_size, cc.scale_size);
+    const int d = tc.fast_decode ? dct_denominator(shorter, shorter, cc.scale_size, cc.scale_size) : 1;
     cv::Mat img = to_channels(decode_jpeg(bytes, d, what), tc.channels);
-    return contiguous(resize_center_crop(img, cc.scale_size, tc.size, cc.interp));
+    return contiguous(resize_center_crop(img, cc.scale_size, tc.size, tc, cc.interp));
   }
   // The crop is drawn on the full-size geometry (the same draws as a full decode), then only its
   // rows and columns are decoded, at the smallest DCT scale that keeps it at least the output size.

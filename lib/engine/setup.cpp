@@ -74,6 +74,7 @@ DataConfig resolve_data_config(const DataOverrides& o, const ModelDefaults& d) {
   dc.img_size = o.img_size.value_or(d.input_size[2]);
   dc.crop_pct = o.crop_pct.value_or(d.crop_pct);
   dc.interpolation = o.interpolation.empty() ? d.interpolation : o.interpolation;
+  dc.crop_mode = o.crop_mode.empty() ? d.crop_mode : o.crop_mode;
   if (dc.in_chans == 3) {
     dc.mean.assign(d.mean.begin(), d.mean.end());
     dc.std.assign(d.std.begin(), d.std.end());

@@ -45,12 +45,14 @@ struct DataConfig {
   int64_t img_size = 224;
   double crop_pct = 0.875;
   std::string interpolation = "bilinear";
+  std::string crop_mode = "center";
   std::vector<double> mean, std;
 };
 struct DataOverrides {  // the flags; unset = the model's default
   std::optional<int64_t> in_chans, img_size;
   std::optional<double> crop_pct;
   std::string interpolation;
+  std::string crop_mode;
 };
 DataConfig resolve_data_config(const DataOverrides& o, const ModelDefaults& d);
 

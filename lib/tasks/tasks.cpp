@@ -32,7 +32,7 @@ engine::CheckpointMeta classification_meta(const std::string& arch, int64_t num_
 TaskSetup classification_setup(const cli::Config& cfg, int64_t rank, int64_t world) {
   TaskSetup s;
   const auto& defaults = model_zoo::model_defaults(cfg.model);  // unknown model fails before data loading
-  s.data = engine::resolve_data_config({cfg.in_chans, cfg.img_size, cfg.crop_pct, cfg.interpolation}, defaults);
+  s.data = engine::resolve_data_config({cfg.in_chans, cfg.img_size, cfg.crop_pct, cfg.interpolation, cfg.crop_mode}, defaults);
   s.train = data::create_dataset(cfg.dataset, cfg.data_dir, cfg.train_split);
   s.eval = data::create_dataset(cfg.dataset, cfg.data_dir, cfg.val_split);
   const int64_t num_classes = cfg.num_classes.value_or(s.train->num_classes());
@@ -91,6 +91,9 @@ TaskSetup classification_setup(const cli::Config& cfg, int64_t rank, int64_t wor
   s.eval_transform.train = false;
   s.eval_transform.crop_pct = dc.crop_pct;
   s.eval_transform.interpolation = dc.interpolation;
+  s.eval_transform.crop_mode = dc.crop_mode;
+  s.eval_transform.mean = dc.mean;
+  s.eval_transform.fast_decode = cfg.fast_decode;
 
   s.model_meta = classification_meta(cfg.model, num_classes, dc, cfg.gp);
   return s;
@@ -103,7 +106,7 @@ TaskSetup classification_validate_setup(const cli::Config& cfg, const engine::Ch
   std::string arch = cfg.model;
   if (!m.arch.empty() && cfg.model == cli::Config{}.model) arch = m.arch;  // --model at its default: the checkpoint's
   const auto& defaults = model_zoo::model_defaults(arch);
-  engine::DataOverrides o{cfg.in_chans, cfg.img_size, cfg.crop_pct, cfg.interpolation};
+  engine::DataOverrides o{cfg.in_chans, cfg.img_size, cfg.crop_pct, cfg.interpolation, cfg.crop_mode};
   if (!o.in_chans) o.in_chans = m.in_chans;
   std::string gp = cfg.gp;
   if (gp.empty() && m.global_pool) gp = *m.global_pool;
@@ -132,6 +135,9 @@ TaskSetup classification_validate_setup(const cli::Config& cfg, const engine::Ch
   s.eval_transform.channels = int(dc.in_chans);
   s.eval_transform.crop_pct = dc.crop_pct;
   s.eval_transform.interpolation = dc.interpolation;
+  s.eval_transform.crop_mode = dc.crop_mode;
+  s.eval_transform.mean = dc.mean;
+  s.eval_transform.fast_decode = cfg.fast_decode;
   s.model_meta = classification_meta(arch, num_classes, dc, gp);
   return s;
 }
