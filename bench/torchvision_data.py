@@ -1,6 +1,7 @@
 """The reference input pipeline for `imgtrain benchmark --bench data`: torchvision's ImageFolder +
 DataLoader (PIL decode, RandomResizedCrop, RandomHorizontalFlip, uint8 collation) with the same
-worker count, batch size and images. Also writes the test images when asked (--make N): photo-like
+worker count, batch size and images; with --mode eval, for `--bench data-eval`: timm's eval
+transform (Resize(floor(size / crop_pct)) + CenterCrop, PILToTensor), as validate.py runs it. Also writes the test images when asked (--make N): photo-like
 content (smooth colour fields, shapes, texture noise), JPEG quality 90, about 500x375 as in ImageNet.
 """
 import argparse, json, os, time
@@ -43,6 +44,9 @@ def main():
     p.add_argument('--img-size', type=int, default=224)
     p.add_argument('--num-warm-iter', type=int, default=2)
     p.add_argument('--num-bench-iter', type=int, default=20)
+    p.add_argument('--mode', default='train', choices=['train', 'eval'])
+    p.add_argument('--crop-pct', type=float, default=0.875)
+    p.add_argument('--interpolation', default='bilinear')
     a = p.parse_args()
     if a.make and not os.path.isdir(os.path.join(a.data_dir, 'train')):
         make_images(a.data_dir, a.make)
@@ -51,11 +55,20 @@ def main():
     import torch
     from torchvision import datasets, transforms
     torch.set_num_threads(1)
-    tf = transforms.Compose([
-        transforms.RandomResizedCrop(a.img_size, interpolation=transforms.InterpolationMode.BILINEAR),
-        transforms.RandomHorizontalFlip(),
-        transforms.PILToTensor(),
-    ])
+    if a.mode == 'eval':
+        import math
+        tf = transforms.Compose([
+            transforms.Resize(math.floor(a.img_size / a.crop_pct),
+                              interpolation=transforms.InterpolationMode(a.interpolation)),
+            transforms.CenterCrop(a.img_size),
+            transforms.PILToTensor(),
+        ])
+    else:
+        tf = transforms.Compose([
+            transforms.RandomResizedCrop(a.img_size, interpolation=transforms.InterpolationMode.BILINEAR),
+            transforms.RandomHorizontalFlip(),
+            transforms.PILToTensor(),
+        ])
     ds = datasets.ImageFolder(os.path.join(a.data_dir, 'train'), transform=tf)
     dl = torch.utils.data.DataLoader(ds, batch_size=a.batch_size, shuffle=True, drop_last=True,
                                      num_workers=a.workers, persistent_workers=a.workers > 0)

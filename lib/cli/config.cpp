@@ -60,14 +60,14 @@ const std::vector<Flag>& flags() {
       {"gp", "", &Config::gp, "Global pool type: avg, max, avgmax, catavgmax (ViT: token, avg); model default if unset",
        ALL, {"", "avg", "max", "avgmax", "catavgmax", "token"}},
       {"in-chans", "", &Config::in_chans, "Image input channels (default: 3; 1 for grayscale)", ALL, {}, positive},
-      {"crop-pct", "", &Config::crop_pct, "Eval center crop fraction (default: the model's)", BOTH, {}, crop_range},
-      {"interpolation", "", &Config::interpolation, "Eval interpolation (default: the model's)", BOTH,
+      {"crop-pct", "", &Config::crop_pct, "Eval center crop fraction (default: the model's)", BOTH | BENCH, {}, crop_range},
+      {"interpolation", "", &Config::interpolation, "Eval interpolation (default: the model's)", BOTH | BENCH,
        {"", "nearest", "bilinear", "bicubic", "box", "hamming", "lanczos"}},
-      {"crop-mode", "", &Config::crop_mode, "Eval crop: center, squash or border (default: the model's)", BOTH,
+      {"crop-mode", "", &Config::crop_mode, "Eval crop: center, squash or border (default: the model's)", BOTH | BENCH,
        {"", "center", "squash", "border"}},
       {"fast-decode", "", &Config::fast_decode,
        "Eval: decode large JPEGs at 1/2, 1/4 or 1/8 scale before the resize (faster; pixels differ from timm's)",
-       BOTH},
+       BOTH | BENCH},
       {"batch-size", "b", &Config::batch_size, "Input batch size per process", ALL, {}, positive},
       {"validation-batch-size", "-vb", &Config::validation_batch_size,
        "Validation batch size (default: --batch-size)", TRAIN, {}, positive},
@@ -191,8 +191,9 @@ const std::vector<Flag>& flags() {
        {"csv", "json"}},
       {"use-train-size", "", &Config::use_train_size, "Use the model's train input size, not its test size",
        VALIDATE | BENCH},
-      {"bench", "", &Config::bench, "What to benchmark (data: the input pipeline alone)", BENCH,
-       {"inference", "train", "both", "data"}},
+      {"bench", "", &Config::bench,
+       "What to benchmark (data / data-eval: the training / eval input pipeline alone)", BENCH,
+       {"inference", "train", "both", "data", "data-eval"}},
       {"num-warm-iter", "", &Config::num_warm_iter, "Warm-up iterations", BENCH, {}, non_negative},
       {"num-bench-iter", "", &Config::num_bench_iter, "Benchmark iterations", BENCH, {}, positive},
       {"channels-last", "", &Config::channels_last, "Channels-last (NHWC) memory layout for weights and inputs", ALL},
@@ -487,11 +488,19 @@ void check_effective(Command cmd, const Config& c) {
     for (auto* f : flags)
       if (c.was_given(f)) throw UserError(fmt::format("--{} has no effect {}", f, why));
   };
-  if (cmd == Command::Benchmark && c.bench == "data")
+  const bool data_bench = c.bench == "data" || c.bench == "data-eval";
+  if (cmd == Command::Benchmark && data_bench)
     refuse({"model", "device", "amp", "amp-dtype", "channels-last", "num-classes", "gp", "opt", "nproc-per-node"},
-           "with --bench data (it measures the input pipeline alone, on the CPU)");
-  if (cmd == Command::Benchmark && c.bench != "data")
-    refuse({"data-dir", "dataset", "train-split", "workers", "scale", "ratio", "hflip", "train-interpolation"},
+           fmt::format("with --bench {} (it measures the input pipeline alone, on the CPU)", c.bench));
+  if (cmd == Command::Benchmark && c.bench == "data")
+    refuse({"crop-pct", "interpolation", "crop-mode", "fast-decode"},
+           "with --bench data (the training pipeline; --bench data-eval measures the eval one)");
+  if (cmd == Command::Benchmark && c.bench == "data-eval")
+    refuse({"scale", "ratio", "hflip", "train-interpolation"},
+           "with --bench data-eval (the eval pipeline; --bench data measures the training one)");
+  if (cmd == Command::Benchmark && !data_bench)
+    refuse({"data-dir", "dataset", "train-split", "workers", "scale", "ratio", "hflip", "train-interpolation",
+            "crop-pct", "interpolation", "crop-mode", "fast-decode"},
            fmt::format("with --bench {} (synthetic inputs; the data flags belong to --bench data)", c.bench));
   if (c.nproc_per_node == 0)
     refuse({"nnodes", "node-rank", "master-addr", "master-port", "dist-url", "rdzv-id"},

@@ -26,16 +26,25 @@ double now_s(torch::Device dev) {
 }
 
 // --bench data: the input pipeline alone (decode, RandomResizedCrop + flip, collation into uint8
-// batches) with -j threads over the --data-dir training split, no model.
+// batches) with -j threads over the --data-dir training split, no model. --bench data-eval: the
+// eval pipeline (exact decode unless --fast-decode, PIL's resize to floor(size / crop_pct), center
+// crop) over the same split.
 int benchmark_data(const cli::Config& cfg) {
   auto ds = data::create_dataset(cfg.dataset, cfg.data_dir, cfg.train_split);
-  const auto tc = cli::train_geometry(cfg, int(cfg.img_size.value_or(224)), int(cfg.in_chans.value_or(3)));
+  auto tc = cli::train_geometry(cfg, int(cfg.img_size.value_or(224)), int(cfg.in_chans.value_or(3)));
+  if (cfg.bench == "data-eval") {
+    tc.train = false;
+    tc.crop_pct = cfg.crop_pct.value_or(0.875);
+    tc.interpolation = cfg.interpolation.empty() ? "bilinear" : cfg.interpolation;
+    tc.crop_mode = cfg.crop_mode.empty() ? "center" : cfg.crop_mode;
+    tc.fast_decode = cfg.fast_decode;
+  }
   const auto lo = cli::loader_options(cfg);
   data::Loader loader(ds, tc, lo);
   if (loader.num_batches() == 0)
     throw UserError(fmt::format("--batch-size {}: the split has only {} images", cfg.batch_size, ds->size()));
-  log::info("Running data benchmark on {} images: {} threads, batch size {}, output {}x{}, interpolation {}.",
-            ds->size(), cfg.workers, cfg.batch_size, tc.size, tc.size, tc.interpolation);
+  log::info("Running {} benchmark on {} images: {} threads, batch size {}, output {}x{}, interpolation {}.",
+            cfg.bench, ds->size(), cfg.workers, cfg.batch_size, tc.size, tc.size, tc.interpolation);
   int64_t epoch = 0, skipped = 0;
   loader.start_epoch(epoch);
   auto next = [&]() {
@@ -75,7 +84,7 @@ int benchmark_data(const cli::Config& cfg) {
 }  // namespace
 
 int benchmark(const cli::Config& cfg) {
-  if (cfg.bench == "data") return benchmark_data(cfg);
+  if (cfg.bench == "data" || cfg.bench == "data-eval") return benchmark_data(cfg);
   auto device = resolve_device(cfg.device);
   // Under a launcher the train benchmark is data parallel: each process steps its own batch and
   // the gradients are all-reduced as in training (the reported step time is rank 0's).

@@ -116,6 +116,10 @@ TEST_CASE("bad values name the flag, the value and what is accepted", "[cli]") {
   CHECK_THAT(error_of({"--pin-mem=maybe"}), Catch::Contains("true or false"));
   CHECK_THAT(error_of({"--epoch", "3"}), Catch::Contains("unknown flag '--epoch'") && Catch::Contains("--epochs"));
   CHECK_THAT(error_of({"stray"}), Catch::Contains("'stray'"));
+  CHECK_THAT(error_of({"--crop-mode", "fit"}, Command::Validate), Catch::Contains("center, squash, border"));
+  CHECK_THAT(error_of({"--interpolation", "cubic"}, Command::Validate),
+             Catch::Contains("nearest, bilinear, bicubic, box, hamming, lanczos"));
+  CHECK(error_of({"--interpolation", "hamming", "--crop-mode", "squash", "--fast-decode"}, Command::Validate) == "");
   // validate has its own flag set
   CHECK_THAT(error_of({"--opt", "sgd"}, Command::Validate), Catch::Contains("unknown flag '--opt'"));
 }
@@ -281,6 +285,13 @@ TEST_CASE("flags that would have no effect are refused by name, from the command
   CHECK_THAT(error_of({"--bench", "data", "--channels-last"}, C::Benchmark), Catch::Contains("--channels-last"));
   CHECK_THAT(error_of({"--bench", "data", "--device", "cpu"}, C::Benchmark), Catch::Contains("--device"));
   CHECK(error_of({"--bench", "data", "--data-dir", "/d", "-j", "2", "--hflip", "0"}, C::Benchmark) == "");
+  CHECK_THAT(error_of({"--bench", "data", "--crop-pct", "0.9"}, C::Benchmark),
+             Catch::Contains("--crop-pct has no effect with --bench data (the training pipeline"));
+  CHECK_THAT(error_of({"--bench", "data-eval", "--hflip", "0"}, C::Benchmark), Catch::Contains("--hflip has no effect"));
+  CHECK(error_of({"--bench", "data-eval", "--data-dir", "/d", "--crop-pct", "0.9", "--interpolation", "lanczos",
+                  "--crop-mode", "border", "--fast-decode"},
+                 C::Benchmark) == "");
+  CHECK_THAT(error_of({"--model", "resnet18", "--fast-decode"}, C::Benchmark), Catch::Contains("--fast-decode"));
   CHECK_THAT(error_of({"--bench", "train", "--data-dir", "/d"}, C::Benchmark),
              Catch::Contains("--data-dir has no effect with --bench train"));
   CHECK_THAT(error_of({"--model", "resnet18", "-j", "3"}, C::Benchmark), Catch::Contains("--workers"));
