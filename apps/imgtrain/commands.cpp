@@ -119,7 +119,8 @@ int models(const std::vector<std::string>& args) {
 
 int export_weights(const std::vector<std::string>& args) {
   cxxopts::Options opts("imgtrain export", "Write a checkpoint's weights as a plain state dict with timm's names");
-  opts.add_options()("checkpoint", "Checkpoint written by imgtrain train", cxxopts::value<std::string>())(
+  opts.add_options()("checkpoint", "Checkpoint written by imgtrain train (or a torch.save .pth of timm / torchvision)",
+                     cxxopts::value<std::string>())(
       "use-ema", "Export the EMA weights")("out", "Output file (.safetensors)", cxxopts::value<std::string>())(
       "h,help", "Show this help");
   auto parsed = parse_command(opts, "export", args);

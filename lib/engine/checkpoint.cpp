@@ -2,6 +2,7 @@
 
 #include "core/error.h"
 #include "core/log.h"
+#include "io/torch_pickle.h"
 #include "io/weights.h"
 
 #include <torch/torch.h>
@@ -113,12 +114,14 @@ void write_checkpoint(const std::string& path, const CheckpointMeta& meta, const
 Checkpoint Checkpoint::read(const std::string& path) {
   Checkpoint c;
   c.path_ = path;
-  c.st_ = io::load_safetensors(path);
+  c.st_ = io::load_weights_file(path);  // imgtrain's own, or a torch.save file for its weights
   c.meta_ = CheckpointMeta::from_metadata(c.st_.metadata, path);
   return c;
 }
 
 CheckpointMeta Checkpoint::read_meta(const std::string& path) {
+  if (io::is_torch_save_file(path))  // no header to read apart: the whole file
+    return CheckpointMeta::from_metadata(io::load_torch_save(path).metadata, path);
   return CheckpointMeta::from_metadata(io::load_safetensors_metadata(path), path);
 }
 
@@ -143,6 +146,11 @@ void Checkpoint::require_training(const std::string& flag, const std::string& ar
   auto missing = [&](const char* k) {
     return UserError(fmt::format("{} '{}': not an imgtrain training checkpoint (no '{}')", flag, path_, k));
   };
+  if (!meta_.is_training() && io::is_torch_save_file(path_))
+    throw UserError(fmt::format("{} '{}': a torch.save file (timm's or torchvision's checkpoint) holds no imgtrain "
+                                "training state (optimizer state by parameter name, update count, loss scaler, RNG); "
+                                "start from its weights with --initial-checkpoint instead",
+                                flag, path_));
   if (meta_.arch.empty()) throw missing("arch");
   if (meta_.arch != arch)
     throw UserError(fmt::format("{} '{}': checkpoint is a {}, but --model is {}", flag, path_, meta_.arch, arch));

@@ -54,7 +54,7 @@ struct TrainStateRefs {
 // Atomic (temporary file + rename): a crash never leaves a broken file.
 void write_checkpoint(const std::string& path, const CheckpointMeta& meta, const TrainStateRefs& state);
 
-// A checkpoint or plain weights file, read whole.
+// A checkpoint or plain weights file (safetensors, or a torch.save file: io::load_weights_file), read whole.
 class Checkpoint {
  public:
   static Checkpoint read(const std::string& path);

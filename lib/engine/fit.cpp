@@ -10,6 +10,7 @@
 #include "engine/run_folder.h"
 #include "engine/setup.h"
 #include "engine/train_loop.h"
+#include "io/torch_pickle.h"
 #include "model_zoo/registry.h"
 #include "tasks/tasks.h"
 
@@ -372,6 +373,7 @@ int train(const cli::Config& cfg) {
   require_file(cfg.pretrained_path, "--pretrained-path");
   require_file(cfg.initial_checkpoint, "--initial-checkpoint");
   if (!cfg.resume.empty() && cfg.resume != "auto") {  // before any progress line: the error stays one line
+    if (io::is_torch_save_file(cfg.resume)) Checkpoint::read(cfg.resume).require_training("--resume", cfg.model);
     const auto meta = Checkpoint::read_meta(cfg.resume);
     if (!meta.arch.empty() && meta.arch != cfg.model)
       throw UserError(fmt::format("--resume '{}': checkpoint is a {}, but --model is {}", cfg.resume, meta.arch,

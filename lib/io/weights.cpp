@@ -1,6 +1,7 @@
 #include "io/weights.h"
 
 #include "core/error.h"
+#include "io/torch_pickle.h"
 
 #include <fmt/ranges.h>
 #include <torch/torch.h>
@@ -14,6 +15,10 @@
 namespace fs = std::filesystem;
 
 namespace imgtrain::io {
+
+SafeTensors load_weights_file(const std::string& path) {
+  return is_torch_save_file(path) ? load_torch_save(path) : load_safetensors(path);
+}
 
 std::vector<std::pair<std::string, at::Tensor>> state_dict(const torch::nn::Module& m) {
   std::vector<std::pair<std::string, at::Tensor>> out;

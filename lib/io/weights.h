@@ -13,6 +13,11 @@
 
 namespace imgtrain::io {
 
+// A weights file a user names (--pretrained-path, --initial-checkpoint, validate --checkpoint,
+// export): told apart by its content, not its name. A torch.save file (.pth, .pth.tar, .bin) is
+// read by the restricted unpickler of io/torch_pickle.h; anything else must be safetensors.
+SafeTensors load_weights_file(const std::string& path);
+
 // Parameters and buffers under their module paths: timm's state dict.
 std::vector<std::pair<std::string, at::Tensor>> state_dict(const torch::nn::Module& m);
 

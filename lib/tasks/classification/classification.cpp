@@ -113,7 +113,7 @@ void ClassificationTask::load_pretrained(torch::nn::Module& model) const {
     }
     path = io::find_hub_weights(arch, tag);
   }
-  auto st = io::load_safetensors(path);
+  auto st = io::load_weights_file(path);
   auto note = io::load_pretrained(model, st, {d.first_conv, d.classifier}, path);
   log::info("Loaded pretrained weights from '{}'{}", path, note.empty() ? "" : " (" + note + ")");
 }

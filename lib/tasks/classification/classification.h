@@ -17,7 +17,7 @@ struct ClassificationOptions {
   ModelArgs model_args;
   std::optional<double> bn_momentum, bn_eps;
   bool pretrained = false;      // timm's weights from the offline Hugging Face cache
-  std::string pretrained_path;  // a safetensors file of weights
+  std::string pretrained_path;  // a weights file: safetensors or torch.save (io::load_weights_file)
   LossConfig loss;
   data::MixupConfig mixup;      // active() when mixup or cutmix is asked for
   int64_t mixup_off_epoch = 0;  // mixup/cutmix off from this epoch on (0: never)

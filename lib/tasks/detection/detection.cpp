@@ -68,16 +68,25 @@ std::shared_ptr<torch::nn::Module> DetectionTask::create_model() const {
 
 void DetectionTask::load_pretrained(torch::nn::Module& model) const {
   if (o_.pretrained_path.empty()) return;
-  const auto st = io::load_safetensors(o_.pretrained_path);
+  // A state dict, or a checkpoint's (imgtrain's, timm's, torchvision's) EMA weights if it has
+  // them, else its model's.
+  const auto file = io::load_weights_file(o_.pretrained_path);
+  const std::string prefix = io::weights_prefix(file, /*prefer_ema=*/true);
+  io::SafeTensors st;
+  for (auto& [k, v] : file.tensors)
+    if (k.rfind(prefix, 0) == 0) st.tensors.emplace_back(k.substr(prefix.size()), v);
   const std::string what = fmt::format("--pretrained-path '{}'", o_.pretrained_path);
   auto& m = rcnn(model);
   bool detector = false;
   for (auto& [k, v] : st.tensors) detector = detector || k.rfind("backbone.", 0) == 0 || k.rfind("rpn.", 0) == 0;
   if (!detector) {  // a classifier's state dict: the FPN body (its head, fc.* / head.*, is not used)
     io::SafeTensors body;
-    for (auto& [k, v] : st.tensors)
-      if (k.rfind("fc.", 0) != 0 && k.rfind("head.", 0) != 0 && k.rfind("classifier.", 0) != 0)
+    for (auto& [k, v] : st.tensors) {
+      // the model keeps its own BN counters (below); a torch.save'd state dict has them too
+      const bool counter = k.find("num_batches_tracked") != std::string::npos;
+      if (k.rfind("fc.", 0) != 0 && k.rfind("head.", 0) != 0 && k.rfind("classifier.", 0) != 0 && !counter)
         body.tensors.emplace_back("backbone.body." + k, v);
+    }
     std::set<std::string> keep;  // everything outside the body keeps its initialisation
     for (auto& [k, v] : io::state_dict(m))
       if (k.rfind("backbone.body.", 0) != 0 || k.find("num_batches_tracked") != std::string::npos) keep.insert(k);
