@@ -701,3 +701,72 @@ TEST_CASE("Mask R-CNN trains on COCO data, logs its losses, resumes exactly and 
     CHECK(std::stod(py.output) == Approx(res[type + "_AP"].get<double>()).margin(1e-9));
   }
 }
+
+namespace {
+
+// The last JSON line a timm_validate.py run printed, and the average loss of imgtrain's last
+// "Test:" line ("Loss: <val> (<avg>)").
+nlohmann::json last_json_line(const std::string& out) {
+  const auto p = out.rfind("\n{");
+  return nlohmann::json::parse(out.substr(p == std::string::npos ? 0 : p + 1));
+}
+std::string avg_loss(const std::string& out) {
+  static const std::regex re(R"(Loss: +[-0-9.]+ \(([-0-9.]+)\))");
+  std::string last;
+  for (std::sregex_iterator it(out.begin(), out.end(), re), end; it != end; ++it) last = (*it)[1];
+  return last;
+}
+
+}  // namespace
+
+TEST_CASE("validate reports what timm validate.py reports on JPEG and PNG photos of varied sizes", "[integration][timm]") {
+  test::TempDir d("timmval");
+  const std::string tv = kPython + " " + IMGTRAIN_SOURCE_DIR + "/tests/parity/timm_validate.py ";
+  auto mk = test::run(tv + "make-folder " + d.path.string() + " 20");
+  INFO(mk.output);
+  REQUIRE(mk.code == 0);
+  // timm's eval defaults of each: resnet50 and convnext_tiny at their test size 288 (crop 1.0),
+  // efficientnet_b0 bicubic 0.875, vit_small_patch16_224 bicubic 0.9.
+  for (const std::string m : {"resnet50", "efficientnet_b0", "vit_small_patch16_224", "convnext_tiny"}) {
+    INFO(m);
+    const std::string st = d / (m + ".safetensors"), pth = d / (m + ".pth");
+    REQUIRE(test::run(tv + "make-weights " + m + " 10 " + st + " " + pth).code == 0);
+    auto py = test::run(tv + m + " " + st + " " + d.path.string() + " val 10 8");
+    INFO(py.output);
+    REQUIRE(py.code == 0);
+    const auto want = last_json_line(py.output);
+    for (const std::string& w : {st, pth}) {
+      INFO(w);
+      auto r = test::run(kBin + " validate --device cpu -j 2 -b 8 --model " + m + " --num-classes 10 --data-dir " +
+                         d.path.string() + " --split val --pretrained-path " + w + " --results-file " + (d / "r.json") + " --results-format json");
+      INFO(r.output);
+      REQUIRE(r.code == 0);
+      const auto got = nlohmann::json::parse(test::read_file(d / "r.json"));
+      for (const char* k : {"top1", "top1_err", "top5", "top5_err", "param_count", "img_size", "crop_pct"})
+        CHECK(got[k].dump() == want[k].dump());
+      CHECK(got["interpolation"] == want["interpolation"]);
+      CHECK(avg_loss(r.output) == fmt::format("{:.4f}", want["loss"].get<double>()));
+    }
+  }
+
+  // A model trained by imgtrain and exported: timm's validation of the export gives the same numbers.
+  auto t = test::run(kBin + " train --device cpu -j 2 --model resnet18 --num-classes 10 --img-size 64 -b 10 --epochs 1 "
+                     "--lr 0.05 --warmup-epochs 0 --data-dir " + d.path.string() + " --train-split val --val-split val"
+                     " --output " + d.path.string() + " --experiment run");
+  INFO(t.output);
+  REQUIRE(t.code == 0);
+  REQUIRE(test::run(kBin + " export --checkpoint " + (d / "run/last.safetensors") + " --out " + (d / "x.safetensors"))
+              .code == 0);
+  auto py = test::run(tv + "resnet18 " + (d / "x.safetensors") + " " + d.path.string() +
+                      " val 10 8 --img-size 64 --crop-pct 0.95 --interpolation bicubic");
+  INFO(py.output);
+  REQUIRE(py.code == 0);
+  const auto want = last_json_line(py.output);
+  auto r = test::run(kBin + " validate --device cpu -j 2 -b 8 --model resnet18 --data-dir " + d.path.string() +
+                     " --split val --checkpoint " + (d / "run/last.safetensors") + " --results-file " + (d / "r.json") + " --results-format json");
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  const auto got = nlohmann::json::parse(test::read_file(d / "r.json"));
+  for (const char* k : {"top1", "top5", "img_size", "crop_pct"}) CHECK(got[k].dump() == want[k].dump());
+  CHECK(avg_loss(r.output) == fmt::format("{:.4f}", want["loss"].get<double>()));
+}
