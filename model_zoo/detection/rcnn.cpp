@@ -30,13 +30,19 @@ using torch::nn::Sequential;
 
 struct Arch {
   std::string name;
-  std::string backbone;  // a zoo ResNet
+  std::string backbone;  // a zoo ResNet, or "mobilenet_v3_large" (torchvision's module tree)
   bool mask = false;
   bool v2 = false;  // torchvision's _v2 builders: BatchNorm in the FPN, two RPN convs, conv heads
+  RCNNDefaults defaults = {};
+  bool mobilenet() const { return backbone == "mobilenet_v3_large"; }
 };
 
 const std::vector<Arch>& archs() {
+  // fasterrcnn_mobilenet_v3_large_fpn / _320_fpn: the builders' keyword defaults
+  static const RCNNDefaults mnv3{800, 1333, 1000, 1000, 0.05}, mnv3_320{320, 640, 150, 150, 0.05};
   static const std::vector<Arch> a = {
+      {"fasterrcnn_mobilenet_v3_large_fpn", "mobilenet_v3_large", false, false, mnv3},
+      {"fasterrcnn_mobilenet_v3_large_320_fpn", "mobilenet_v3_large", false, false, mnv3_320},
       {"fasterrcnn_resnet50_fpn", "resnet50", false, false},
       {"fasterrcnn_resnet50_fpn_v2", "resnet50", false, true},
       {"fasterrcnn_resnet101_fpn", "resnet101", false, false},
@@ -76,11 +82,123 @@ struct ConvNormActImpl : torch::nn::Module {
 };
 TORCH_MODULE(ConvNormAct);
 
+// A Sequential with a plain forward, so that it can sit in an AnyModule.
+struct SeqImpl : torch::nn::SequentialImpl {
+  at::Tensor forward(const at::Tensor& x) { return torch::nn::SequentialImpl::forward(x); }
+};
+TORCH_MODULE(Seq);
+
 template <class F>
 void for_each_conv(torch::nn::Module& m, F f) {
   for (auto& c : m.modules(/*include_self=*/false))
     if (auto* conv = c->as<torch::nn::Conv2d>()) f(*conv);
 }
+
+// ---- torchvision's mobilenet_v3_large features (models/mobilenetv3.py), as the FPN body -------
+
+enum class Act { None, ReLU, HardSwish };
+
+// Conv2dNormActivation with BatchNorm: conv "0" (no bias), BatchNorm "1", the activation.
+struct MbConvImpl : torch::nn::Module {
+  Conv2d conv{nullptr};
+  imgtrain::BatchNorm2d bn{nullptr};
+  Act act;
+  MbConvImpl(int64_t in, int64_t out, int64_t k, int64_t stride, int64_t groups, Act act) : act(act) {
+    conv = register_module(
+        "0", Conv2d(Conv2dOptions(in, out, k).stride(stride).padding((k - 1) / 2).groups(groups).bias(false)));
+    bn = register_module("1", imgtrain::BatchNorm2d(out));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    auto y = bn(conv(x));
+    if (act == Act::ReLU) return y.relu_();
+    if (act == Act::HardSwish) return at::hardswish(y);
+    return y;
+  }
+};
+TORCH_MODULE(MbConv);
+
+// SqueezeExcitation(exp, _make_divisible(exp // 4, 8)) with ReLU and a hard-sigmoid gate.
+struct MbSqueezeImpl : torch::nn::Module {
+  Conv2d fc1{nullptr}, fc2{nullptr};
+  MbSqueezeImpl(int64_t c, int64_t squeeze) {
+    fc1 = register_module("fc1", Conv2d(Conv2dOptions(c, squeeze, 1)));
+    fc2 = register_module("fc2", Conv2d(Conv2dOptions(squeeze, c, 1)));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    auto s = fc2(fc1(x.mean({2, 3}, /*keepdim=*/true)).relu());
+    return x * at::hardsigmoid(s);
+  }
+};
+TORCH_MODULE(MbSqueeze);
+
+// InvertedResidual: `block` = [expand], depthwise, [SE], project; the input added back where
+// stride 1 keeps the channels.
+struct MbInvertedResidualImpl : torch::nn::Module {
+  Seq block{nullptr};
+  bool residual;
+  MbInvertedResidualImpl(int64_t in, int64_t k, int64_t exp, int64_t out, bool se, Act act, int64_t stride)
+      : residual(stride == 1 && in == out) {
+    block = register_module("block", Seq());
+    if (exp != in) block->push_back(std::to_string(block->size()), MbConv(in, exp, 1, 1, 1, act));
+    block->push_back(std::to_string(block->size()), MbConv(exp, exp, k, stride, exp, act));
+    if (se) {
+      const int64_t v = exp / 4;
+      int64_t sq = std::max<int64_t>(8, (v + 4) / 8 * 8);  // _make_divisible(v, 8)
+      if (double(sq) < 0.9 * double(v)) sq += 8;
+      block->push_back(std::to_string(block->size()), MbSqueeze(exp, sq));
+    }
+    block->push_back(std::to_string(block->size()), MbConv(exp, out, 1, 1, 1, Act::None));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    auto y = block->forward(x);
+    return residual ? y + x : y;
+  }
+};
+TORCH_MODULE(MbInvertedResidual);
+
+// features.0 .. features.16 under their indices (IntermediateLayerGetter keeps every module up
+// to the last returned one); forward returns features.13 and features.16, both at stride 32.
+struct MobileNetV3BodyImpl : torch::nn::Module {
+  std::vector<torch::nn::AnyModule> layers;
+  static constexpr std::array<int64_t, 6> stage_indices{0, 2, 4, 7, 13, 16};
+  MobileNetV3BodyImpl() {
+    struct Cfg {
+      int64_t in, k, exp, out;
+      bool se;
+      Act act;
+      int64_t stride;
+    };
+    const Act RE = Act::ReLU, HS = Act::HardSwish;
+    static const Cfg cfgs[] = {{16, 3, 16, 16, false, RE, 1},     {16, 3, 64, 24, false, RE, 2},
+                               {24, 3, 72, 24, false, RE, 1},     {24, 5, 72, 40, true, RE, 2},
+                               {40, 5, 120, 40, true, RE, 1},     {40, 5, 120, 40, true, RE, 1},
+                               {40, 3, 240, 80, false, HS, 2},    {80, 3, 200, 80, false, HS, 1},
+                               {80, 3, 184, 80, false, HS, 1},    {80, 3, 184, 80, false, HS, 1},
+                               {80, 3, 480, 112, true, HS, 1},    {112, 3, 672, 112, true, HS, 1},
+                               {112, 5, 672, 160, true, HS, 2},   {160, 5, 960, 160, true, HS, 1},
+                               {160, 5, 960, 160, true, HS, 1}};
+    layers.emplace_back(register_module("0", MbConv(3, 16, 3, 2, 1, HS)));
+    for (const Cfg& c : cfgs)
+      layers.emplace_back(register_module(std::to_string(layers.size()),
+                                          MbInvertedResidual(c.in, c.k, c.exp, c.out, c.se, c.act, c.stride)));
+    layers.emplace_back(register_module("16", MbConv(160, 960, 1, 1, 1, HS)));
+    torch::NoGradGuard ng;  // MobileNetV3's init: convolutions kaiming-normal over fan-out, biases 0
+    for (auto& m : modules(false))
+      if (auto* conv = m->as<torch::nn::Conv2d>()) {
+        torch::nn::init::kaiming_normal_(conv->weight, 0.0, torch::kFanOut, torch::kReLU);
+        if (conv->bias.defined()) torch::nn::init::zeros_(conv->bias);
+      }
+  }
+  std::vector<at::Tensor> forward(at::Tensor x) {
+    std::vector<at::Tensor> out;
+    for (size_t i = 0; i < layers.size(); ++i) {
+      x = layers[i].forward(x);
+      if (i == 13 || i == 16) out.push_back(x);
+    }
+    return out;
+  }
+};
+TORCH_MODULE(MobileNetV3Body);
 
 // ---- backbone: ResNet body + FeaturePyramidNetwork + LastLevelMaxPool -------------------------
 
@@ -122,8 +240,13 @@ TORCH_MODULE(FPN);
 
 struct BackboneImpl : torch::nn::Module {
   std::shared_ptr<ClassifierImpl> body;
+  MobileNetV3Body mobilenet{nullptr};
   FPN fpn{nullptr};
   BackboneImpl(const Arch& a, const RCNNOptions& o) {
+    if (a.mobilenet()) {
+      build_mobilenet(o);
+      return;
+    }
     ModelArgs ma;
     ma.num_classes = 0;
     body = register_module("body", create_model(a.backbone, ma));
@@ -156,7 +279,36 @@ struct BackboneImpl : torch::nn::Module {
       if (!keep) p.value().requires_grad_(false);
     }
   }
-  std::vector<at::Tensor> forward(const at::Tensor& x) { return fpn->forward(body->forward_intermediates(x, {1, 2, 3, 4})); }
+  // _mobilenet_extractor(fpn=True): features 13 and 16 into the FPN; FrozenBatchNorm2d from
+  // weights; the first stage_indices[6 - t] features frozen for t trainable layers (0..6).
+  void build_mobilenet(const RCNNOptions& o) {
+    mobilenet = register_module("body", MobileNetV3Body());
+    fpn = register_module("fpn", FPN(std::vector<int64_t>{160, 960}, 256, false));
+    if (o.from_weights)
+      for (auto& m : mobilenet->modules(false))
+        if (auto* bn = m->as<imgtrain::BatchNorm2dImpl>()) bn->freeze(o.frozen_bn_eps);
+    int64_t trainable = o.trainable_backbone_layers;
+    if (!o.from_weights) {
+      if (trainable >= 0 && trainable != 6)
+        log::warn("--trainable-backbone-layers {} has no effect without backbone weights (--pretrained-path): "
+                  "all 6 layers are trained, as torchvision does", trainable);
+      trainable = 6;
+    } else if (trainable < 0) {
+      trainable = 3;
+    }
+    if (trainable > 6)
+      throw UserError(fmt::format("--trainable-backbone-layers {}: expected 0 to 6 for a MobileNetV3 body", trainable));
+    const int64_t freeze_before =
+        trainable == 0 ? int64_t(mobilenet->layers.size()) : MobileNetV3BodyImpl::stage_indices[size_t(6 - trainable)];
+    for (auto& p : mobilenet->named_parameters()) {
+      const int64_t idx = std::stoll(p.key().substr(0, p.key().find('.')));
+      if (idx < freeze_before) p.value().requires_grad_(false);
+    }
+  }
+  std::vector<at::Tensor> forward(const at::Tensor& x) {
+    if (mobilenet) return fpn->forward(mobilenet->forward(x));
+    return fpn->forward(body->forward_intermediates(x, {1, 2, 3, 4}));
+  }
 };
 TORCH_MODULE(Backbone);
 
@@ -181,7 +333,7 @@ TORCH_MODULE(RPNHead);
 
 struct RPNImpl : torch::nn::Module {
   RPNHead head{nullptr};
-  explicit RPNImpl(int64_t depth) { head = register_module("head", RPNHead(256, 3, depth)); }
+  RPNImpl(int64_t depth, int64_t anchors) { head = register_module("head", RPNHead(256, anchors, depth)); }
 };
 TORCH_MODULE(RPN);
 
@@ -205,12 +357,6 @@ struct FastRCNNPredictorImpl : torch::nn::Module {
   }
 };
 TORCH_MODULE(FastRCNNPredictor);
-
-// A Sequential with a plain forward, so that it can sit in an AnyModule.
-struct SeqImpl : torch::nn::SequentialImpl {
-  at::Tensor forward(const at::Tensor& x) { return torch::nn::SequentialImpl::forward(x); }
-};
-TORCH_MODULE(Seq);
 
 // FastRCNNConvFCHead (v2): four 3x3 conv-BN-ReLU, flatten, Linear 1024, ReLU.
 Seq conv_fc_head(int64_t in, int64_t res) {
@@ -326,7 +472,8 @@ at::Tensor multiscale_roi_align(const std::vector<at::Tensor>& feats, const std:
   int64_t max_h = 0, max_w = 0;
   for (auto& s : sizes) max_h = std::max(max_h, s[0]), max_w = std::max(max_w, s[1]);
   std::vector<double> scales;
-  for (size_t l = 0; l < 4; ++l) {
+  const size_t n_levels = feats.size();
+  for (size_t l = 0; l < n_levels; ++l) {
     const float approx = float(double(feats[l].size(-2)) / double(max_h));
     scales.push_back(std::pow(2.0, double(std::nearbyint(std::log2(approx)))));
   }
@@ -338,7 +485,7 @@ at::Tensor multiscale_roi_align(const std::vector<at::Tensor>& feats, const std:
   auto lvls = at::floor(at::log2(s / 224) + 4 + at::scalar_tensor(1e-6, s.options()));
   lvls = lvls.clamp(double(k_min), double(k_max)).to(at::kLong) - k_min;
   auto result = at::zeros({rois.size(0), feats[0].size(1), out, out}, feats[0].options());
-  for (int64_t l = 0; l < 4; ++l) {
+  for (int64_t l = 0; l < int64_t(n_levels); ++l) {
     auto idx = at::where(lvls.eq(l))[0];
     auto r = ops::roi_align(feats[size_t(l)], rois.index_select(0, idx), scales[size_t(l)], out, out, sampling, aligned);
     result.index_put_({idx}, r.to(result.scalar_type()));
@@ -427,12 +574,13 @@ struct GeneralizedRCNNImpl::Impl {
 GeneralizedRCNNImpl::GeneralizedRCNNImpl(const std::string& arch, RCNNOptions o) : arch_(arch), o_(std::move(o)) {
   const Arch& a = find_arch(arch);
   mask_ = a.mask;
+  mobilenet_ = a.mobilenet();
   if (o_.num_classes < 2)
     throw UserError(fmt::format("--num-classes {}: a detector needs the background and at least one class",
                                 o_.num_classes));
   impl = std::make_shared<Impl>();
   impl->backbone = register_module("backbone", Backbone(a, o_));
-  impl->rpn = register_module("rpn", RPN(a.v2 ? 2 : 1));
+  impl->rpn = register_module("rpn", RPN(a.v2 ? 2 : 1, a.mobilenet() ? 15 : 3));
   impl->roi_heads = register_module("roi_heads", RoIHeads(a, o_));
 }
 
@@ -459,8 +607,11 @@ RCNNResult GeneralizedRCNNImpl::forward(const ImageBatch& images, const std::vec
     per_level.push_back(logits.size(1) * h * w);
     cls.push_back(logits.view({N, -1, C, h, w}).permute({0, 3, 4, 1, 2}).reshape({N, -1, C}));
     reg.push_back(deltas.view({N, -1, 4, h, w}).permute({0, 3, 4, 1, 2}).reshape({N, -1, 4}));
-    anchor_levels.push_back(grid_anchors(h, w, images.tensors.size(-2) / h, images.tensors.size(-1) / w,
-                                         {32.0 * double(1 << l)}, ratios));
+    // ResNet FPN: one size per level (32 .. 512); MobileNetV3: all five on each level
+    const std::vector<double> sizes = mobilenet_ ? std::vector<double>{32, 64, 128, 256, 512}
+                                                 : std::vector<double>{32.0 * double(1 << l)};
+    anchor_levels.push_back(
+        grid_anchors(h, w, images.tensors.size(-2) / h, images.tensors.size(-1) / w, sizes, ratios));
   }
   auto objectness = at::cat(cls, 1).flatten(0, -2);
   auto pred_deltas = at::cat(reg, 1).reshape({-1, 4});
@@ -524,8 +675,8 @@ RCNNResult GeneralizedRCNNImpl::forward(const ImageBatch& images, const std::vec
     auto pos = at::where(at::cat(pos_m))[0], neg = at::where(at::cat(neg_m))[0];
     auto sampled = at::cat({pos, neg});
     auto lab = at::cat(labels);
-    auto box_loss = at::smooth_l1_loss(pred_deltas.index_select(0, pos), targets_reg.index_select(0, pos),
-                                       at::Reduction::Sum, 1.0 / 9) /
+    auto box_loss = box_regression_loss(pred_deltas.index_select(0, pos), targets_reg.index_select(0, pos),
+                                        o.rpn_box_loss) /
                     double(sampled.numel());
     auto obj_loss = at::binary_cross_entropy_with_logits(objectness.flatten().index_select(0, sampled),
                                                          lab.index_select(0, sampled));
@@ -533,7 +684,8 @@ RCNNResult GeneralizedRCNNImpl::forward(const ImageBatch& images, const std::vec
   }
 
   // RoIHeads.forward
-  const std::vector<at::Tensor> levels4(feats.begin(), feats.begin() + 4);
+  // MultiScaleRoIAlign's featmap_names '0'..'3': the maps before 'pool' (two for MobileNetV3)
+  const std::vector<at::Tensor> levels4(feats.begin(), feats.end() - 1);
   std::vector<at::Tensor> matched_idxs, box_labels;
   at::Tensor box_targets;
   if (training) {  // select_training_samples
@@ -702,6 +854,8 @@ const std::vector<std::string>& rcnn_names() {
 
 bool rcnn_has_mask(const std::string& arch) { return find_arch(arch).mask; }
 
+RCNNDefaults rcnn_defaults(const std::string& arch) { return find_arch(arch).defaults; }
+
 GeneralizedRCNN create_rcnn(const std::string& arch, const RCNNOptions& o) { return GeneralizedRCNN(arch, o); }
 
 }  // namespace imgtrain::model_zoo::detection
@@ -713,10 +867,10 @@ void register_detection(Registry<ModelEntry>& r) {
   for (auto& a : archs()) {
     ModelEntry e;
     e.task = "detection";
-    e.defaults.input_size = {3, 800, 1333};
+    e.defaults.input_size = {3, int64_t(a.defaults.min_size), int64_t(a.defaults.max_size)};
     e.defaults.num_classes = 91;
     e.defaults.crop_pct = 1.0;
-    e.defaults.first_conv = "backbone.body.conv1";
+    e.defaults.first_conv = a.mobilenet() ? "backbone.body.0.0" : "backbone.body.conv1";
     e.defaults.classifier = "roi_heads.box_predictor";
     const std::string name = a.name;
     e.create_module = [name](const ModelArgs& ma) -> std::shared_ptr<torch::nn::Module> {

@@ -46,8 +46,18 @@ struct RCNNOptions {
   bool roi_aligned = false;
   // "smooth_l1" (torchvision, beta 1/9) or "l1" (Detectron2's default box regression loss).
   std::string box_loss = "smooth_l1";
+  std::string rpn_box_loss = "smooth_l1";  // the RPN's: torchvision's smooth-L1 (beta 1/9) or L1 (Detectron2)
   // Tests: the balanced samplers take the first candidates instead of a random permutation.
   bool deterministic_sampling = false;
+};
+
+// The builder's keyword defaults that differ between models (torchvision's
+// fasterrcnn_mobilenet_v3_large_320_fpn: min_size 320, max_size 640, 150 RPN proposals in
+// evaluation, rpn_score_thresh 0.05); a flag the user gives replaces them.
+struct RCNNDefaults {
+  double min_size = 800, max_size = 1333;
+  int64_t rpn_pre_nms_top_n_test = 1000, rpn_post_nms_top_n_test = 1000;
+  double rpn_score_thresh = 0.0;
 };
 
 struct ImageBatch {
@@ -93,6 +103,7 @@ class GeneralizedRCNNImpl : public torch::nn::Module {
   std::string arch_;
   RCNNOptions o_;
   bool mask_ = false;
+  bool mobilenet_ = false;
 };
 TORCH_MODULE(GeneralizedRCNN);
 
@@ -106,6 +117,7 @@ void postprocess(Detections& d, std::array<int64_t, 2> resized, std::array<int64
 // The names registered (torchvision's builders), and a model by name.
 const std::vector<std::string>& rcnn_names();
 bool rcnn_has_mask(const std::string& arch);
+RCNNDefaults rcnn_defaults(const std::string& arch);
 GeneralizedRCNN create_rcnn(const std::string& arch, const RCNNOptions& o);
 
 // Pieces with torchvision's numbers, public for the tests.

@@ -7,7 +7,8 @@ after it (boxes in the original size, pasted masks), the training losses with th
 samplers made deterministic (torch.randperm replaced by arange, imgtrain's
 deterministic_sampling) and the gradients of a few parameters.
 
-Models: torchvision's maskrcnn_resnet50_fpn_v2 (BatchNorm FPN, two-conv RPN head, conv heads) and a
+Models: torchvision's fasterrcnn_mobilenet_v3_large_fpn and _320_fpn (their builders' RPN
+settings, images at 256..400 as the others), maskrcnn_resnet50_fpn_v2 (BatchNorm FPN, two-conv RPN head, conv heads) and a
 v1 Mask R-CNN on resnet_fpn_backbone('resnet18') (imgtrain's maskrcnn_resnet18_fpn), both with 3
 classes so that softmax scores pass the 0.05 threshold, and fasterrcnn_resnet18 (v1 box head only).
 """
@@ -16,7 +17,8 @@ import os, sys
 import torch
 from safetensors.torch import save_file
 from torch import nn
-from torchvision.models.detection import FasterRCNN, MaskRCNN, maskrcnn_resnet50_fpn_v2
+from torchvision.models.detection import (FasterRCNN, MaskRCNN, fasterrcnn_mobilenet_v3_large_320_fpn,
+                                          fasterrcnn_mobilenet_v3_large_fpn, maskrcnn_resnet50_fpn_v2)
 from torchvision.models.detection import _utils as det_utils
 from torchvision.models.detection.backbone_utils import resnet_fpn_backbone
 
@@ -40,6 +42,9 @@ def calibrate_bn(model, x):
 
 
 def make(arch):
+    if arch.startswith("fasterrcnn_mobilenet"):  # the builders' own rpn_score_thresh / top-n; smaller images
+        b = fasterrcnn_mobilenet_v3_large_fpn if arch.endswith("large_fpn") else fasterrcnn_mobilenet_v3_large_320_fpn
+        return b(weights=None, weights_backbone=None, num_classes=3, min_size=256, max_size=400)
     if arch == "maskrcnn_resnet50_fpn_v2":
         return maskrcnn_resnet50_fpn_v2(weights=None, weights_backbone=None, num_classes=3, min_size=256, max_size=400)
     bb = resnet_fpn_backbone(backbone_name="resnet18", weights=None, norm_layer=nn.BatchNorm2d, trainable_layers=5)
@@ -47,7 +52,8 @@ def make(arch):
     return cls(bb, num_classes=3, min_size=256, max_size=400)
 
 
-for arch in ["maskrcnn_resnet18_fpn", "fasterrcnn_resnet18_fpn", "maskrcnn_resnet50_fpn_v2"]:
+for arch in ["maskrcnn_resnet18_fpn", "fasterrcnn_resnet18_fpn", "maskrcnn_resnet50_fpn_v2",
+             "fasterrcnn_mobilenet_v3_large_fpn", "fasterrcnn_mobilenet_v3_large_320_fpn"]:
     model = make(arch)
     t = {}
     # two images of different sizes with objects (boxes and masks)
@@ -104,7 +110,9 @@ for arch in ["maskrcnn_resnet18_fpn", "fasterrcnn_resnet18_fpn", "maskrcnn_resne
     for k, v in losses.items():
         t["loss_" + k.removeprefix("loss_")] = v.detach().reshape(1)
     named = dict(model.named_parameters())
-    for k in ["backbone.body.conv1.weight", "backbone.fpn.layer_blocks.0.0.weight", "rpn.head.cls_logits.weight",
+    first = "backbone.body.0.0.weight" if "mobilenet" in arch else "backbone.body.conv1.weight"
+    for k in [first, "backbone.body.13.block.2.fc1.weight" if "mobilenet" in arch else first,
+              "backbone.fpn.layer_blocks.0.0.weight", "rpn.head.cls_logits.weight",
               "roi_heads.box_predictor.bbox_pred.weight"] + (["roi_heads.mask_predictor.mask_fcn_logits.weight"]
                                                             if arch.startswith("mask") else []):
         t["grad." + k] = named[k].grad.contiguous()

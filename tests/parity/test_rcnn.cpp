@@ -33,6 +33,10 @@ GeneralizedRCNN model_for(const std::string& arch, const Refs& r) {
   RCNNOptions o;
   o.num_classes = 3;
   o.deterministic_sampling = true;
+  const auto d = rcnn_defaults(arch);  // what the builder sets (the MobileNetV3 detectors' RPN numbers)
+  o.rpn_pre_nms_top_n_test = d.rpn_pre_nms_top_n_test;
+  o.rpn_post_nms_top_n_test = d.rpn_post_nms_top_n_test;
+  o.rpn_score_thresh = d.rpn_score_thresh;
   auto m = create_rcnn(arch, o);
   io::load_state_dict(*m, r.st, "sd.", "torchvision's state dict");
   return m;
@@ -141,4 +145,39 @@ TEST_CASE("Faster R-CNN R18-FPN training losses and gradients equal torchvision'
 }
 TEST_CASE("Mask R-CNN R50-FPN v2 training losses and gradients equal torchvision's", "[parity][rcnn]") {
   train_parity("maskrcnn_resnet50_fpn_v2");
+}
+TEST_CASE("Faster R-CNN MobileNetV3-Large FPN evaluation equals torchvision's", "[parity][rcnn]") {
+  eval_parity("fasterrcnn_mobilenet_v3_large_fpn");
+}
+TEST_CASE("Faster R-CNN MobileNetV3-Large 320 FPN evaluation equals torchvision's", "[parity][rcnn]") {
+  eval_parity("fasterrcnn_mobilenet_v3_large_320_fpn");
+}
+TEST_CASE("Faster R-CNN MobileNetV3-Large FPN training losses and gradients equal torchvision's", "[parity][rcnn]") {
+  train_parity("fasterrcnn_mobilenet_v3_large_fpn");
+}
+TEST_CASE("MobileNetV3 detectors have torchvision's state dict and builder defaults", "[rcnn]") {
+  RCNNOptions o;
+  auto m = create_rcnn("fasterrcnn_mobilenet_v3_large_fpn", o);
+  int64_t n = 0;
+  for (auto& p : m->parameters()) n += p.numel();
+  CHECK(n == 19410754);  // torchvision, weights=None, weights_backbone=None, 91 classes
+  CHECK(io::state_dict(*m).size() == 330);
+  auto sd = m->named_parameters();
+  CHECK(sd.find("backbone.body.13.block.2.fc2.bias") != nullptr);
+  CHECK(sd["rpn.head.cls_logits.weight"].sizes() == at::IntArrayRef({15, 256, 1, 1}));
+  CHECK(sd["backbone.fpn.inner_blocks.1.0.weight"].sizes() == at::IntArrayRef({256, 960, 1, 1}));
+  const auto d = rcnn_defaults("fasterrcnn_mobilenet_v3_large_320_fpn");
+  CHECK(d.min_size == 320);
+  CHECK(d.max_size == 640);
+  CHECK(d.rpn_post_nms_top_n_test == 150);
+  CHECK(rcnn_defaults("fasterrcnn_mobilenet_v3_large_fpn").rpn_score_thresh == 0.05);
+  CHECK(rcnn_defaults("maskrcnn_resnet50_fpn").rpn_score_thresh == 0.0);
+  // From weights: FrozenBatchNorm2d and the first seven features frozen (3 trainable layers)
+  o.from_weights = true;
+  auto f = create_rcnn("fasterrcnn_mobilenet_v3_large_fpn", o);
+  auto fp = f->named_parameters();
+  CHECK_FALSE(fp["backbone.body.6.block.0.0.weight"].requires_grad());
+  CHECK(fp["backbone.body.7.block.0.0.weight"].requires_grad());
+  o.trainable_backbone_layers = 7;
+  CHECK_THROWS_WITH(create_rcnn("fasterrcnn_mobilenet_v3_large_fpn", o), Catch::Contains("expected 0 to 6"));
 }

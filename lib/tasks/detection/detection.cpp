@@ -84,8 +84,10 @@ void DetectionTask::load_pretrained(torch::nn::Module& model) const {
     for (auto& [k, v] : st.tensors) {
       // the model keeps its own BN counters (below); a torch.save'd state dict has them too
       const bool counter = k.find("num_batches_tracked") != std::string::npos;
+      // torchvision's mobilenet_v3_large keeps the body under features.N
+      const std::string name = k.rfind("features.", 0) == 0 ? k.substr(9) : k;
       if (k.rfind("fc.", 0) != 0 && k.rfind("head.", 0) != 0 && k.rfind("classifier.", 0) != 0 && !counter)
-        body.tensors.emplace_back("backbone.body." + k, v);
+        body.tensors.emplace_back("backbone.body." + name, v);
     }
     std::set<std::string> keep;  // everything outside the body keeps its initialisation
     for (auto& [k, v] : io::state_dict(m))
