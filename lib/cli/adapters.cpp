@@ -34,10 +34,19 @@ optim::SchedulerArgs scheduler_options(const Config& cfg, double lr, int64_t upd
   sa.cycle_decay = cfg.lr_cycle_decay;
   sa.cycle_limit = cfg.lr_cycle_limit;
   sa.k_decay = cfg.lr_k_decay;
-  sa.on_updates = cfg.sched_on_updates;
+  sa.on_updates = cfg.sched_on_updates || cfg.max_iter || cfg.warmup_iters;
   sa.updates_per_epoch = updates_per_epoch;
+  if (cfg.max_iter) {
+    sa.max_updates = *cfg.max_iter;
+    sa.warmup_updates = cfg.warmup_iters.value_or(0);  // --warmup-epochs is timm's, in epochs: not used
+  } else if (cfg.warmup_iters) {
+    sa.warmup_updates = *cfg.warmup_iters;
+  }
+  if (cfg.warmup_factor) sa.warmup_lr = lr * *cfg.warmup_factor;
+  sa.decay_rate = cfg.lr_gamma.value_or(cfg.decay_rate);
+  sa.torch_milestones = !cfg.lr_steps.empty();
   sa.decay_milestones.clear();
-  for (double m : cfg.decay_milestones) sa.decay_milestones.push_back(int64_t(m));
+  for (double m : sa.torch_milestones ? cfg.lr_steps : cfg.decay_milestones) sa.decay_milestones.push_back(int64_t(m));
   std::sort(sa.decay_milestones.begin(), sa.decay_milestones.end());
   return sa;
 }
@@ -52,6 +61,7 @@ data::LoaderOptions loader_options(const Config& cfg) {
   lo.seed = uint64_t(cfg.seed);
   lo.repeats = cfg.aug_repeats;
   lo.aspect_ratio_group_factor = cfg.aspect_ratio_group_factor;  // datasets with targets only
+  lo.two_bucket_grouping = cfg.two_bucket_grouping;
   return lo;
 }
 

@@ -1,6 +1,8 @@
 #include "cli/config.h"
 
+#include "cli/detectron2.h"
 #include "core/error.h"
+#include "core/log.h"
 #include "core/registry.h"
 
 #include <cxxopts.hpp>
@@ -8,6 +10,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include <cmath>
+#include <map>
 #include <cstring>
 #include <iostream>
 #include <set>
@@ -123,6 +126,24 @@ const std::vector<Flag>& flags() {
       {"cooldown-epochs", "", &Config::cooldown_epochs, "Epochs at min_lr after a cyclic schedule ends", TRAIN, {},
        non_negative},
       {"decay-rate", "dr", &Config::decay_rate, "LR decay rate (step)", TRAIN, {}, positive},
+      {"lr-steps", "", &Config::lr_steps,
+       "torchvision's milestones: from each of these epochs (updates with --max-iter) the lr is multiplied by "
+       "--lr-gamma (torch's MultiStepLR; implies --sched multistep)",
+       TRAIN, {}, non_negative, 0, false, true},
+      {"lr-gamma", "", &Config::lr_gamma, "Factor of each --lr-steps decay (default: --decay-rate)", TRAIN, {},
+       positive},
+      {"warmup-iters", "", &Config::warmup_iters,
+       "Warm the lr up over this many optimizer updates (instead of --warmup-epochs; the lr is then stepped per update)",
+       TRAIN, {}, non_negative},
+      {"warmup-factor", "", &Config::warmup_factor, "The warmup starts at --lr times this (instead of --warmup-lr)",
+       TRAIN, {}, probability},
+      {"max-iter", "", &Config::max_iter,
+       "Train this many optimizer updates (Detectron2's SOLVER.MAX_ITER; instead of --epochs); every schedule length "
+       "then counts updates",
+       TRAIN, {}, positive},
+      {"ims-per-batch", "", &Config::ims_per_batch,
+       "Batch size summed over all processes (Detectron2's SOLVER.IMS_PER_BATCH; instead of --batch-size)", TRAIN, {},
+       positive},
       // augmentation
       {"no-aug", "", &Config::no_aug, "Disable all training augmentation"},
       {"scale", "", &Config::scale, "Random resize scale range (two numbers)", TRAIN | BENCH, {}, positive, 2, true},
@@ -211,6 +232,12 @@ const std::vector<Flag>& flags() {
       {"data-augmentation", "", &Config::data_augmentation,
        "Detection training augmentation: hflip, or multiscale (shorter side drawn from 480..800 by 32, and hflip)",
        TRAIN, {"hflip", "multiscale"}},
+      {"two-bucket-grouping", "", &Config::two_bucket_grouping,
+       "Detection: batch landscape images apart from the rest (Detectron2's aspect-ratio grouping) instead of "
+       "--aspect-ratio-group-factor",
+       TRAIN},
+      {"min-size-test", "", &Config::min_size_test, "Detection: shorter side in evaluation (default: the last --min-size)",
+       BOTH, {}, positive},
       {"min-size", "", &Config::min_size,
        "Detection: shorter side(s) of the model's resize; training draws one per image, evaluation takes the last",
        BOTH, {}, positive, 0},
@@ -237,6 +264,7 @@ const std::vector<Flag>& flags() {
        "RoIAlign samples per bin side (0: adaptive, Detectron2's ROIAlignV2)", BOTH, {}, non_negative},
       {"roi-align-v2", "", &Config::roi_align_v2, "RoIAlign with aligned=True (Detectron2's ROIAlignV2)", BOTH},
       {"box-loss", "", &Config::box_loss, "Box regression loss of the RoI head", TRAIN, {"smooth_l1", "l1"}},
+      {"rpn-box-loss", "", &Config::rpn_box_loss, "Box regression loss of the RPN", TRAIN, {"smooth_l1", "l1"}},
       {"nproc-per-node", "num-gpus", &Config::nproc_per_node,
        "Launch this many worker processes on this node (torchrun's contract; 0: run in this process)", TRAIN | BENCH, {},
        non_negative},
@@ -439,6 +467,23 @@ void apply_yaml(Config& c, Command cmd, const std::string& path) {
   if (root.IsNull()) return;
   if (!root.IsMap()) throw UserError(fmt::format("--config '{}': expected a mapping of flag names to values", path));
   const unsigned bit = command_bit(cmd);
+  if (is_detectron2_config(root)) {
+    std::vector<std::string> warnings;
+    for (auto& s : detectron2_settings(path, root, warnings)) {
+      const Flag* flag = nullptr;
+      for (auto& f : flags())
+        if (s.flag == f.name && (f.cmds & bit)) flag = &f;
+      if (!flag) continue;  // a training setting, read by `validate` or `benchmark`
+      const std::string where = s.key.rfind("default ", 0) == 0
+                                    ? fmt::format("Detectron2's {} (the default under {})", s.key.substr(8), path)
+                                    : fmt::format("key '{}' in {}", s.key, path);
+      assign(c, *flag, s.value, where);
+      if (!same_field(c, Config{}, *flag)) c.given.insert(flag->name);
+      else c.given.erase(flag->name);
+    }
+    for (auto& w : warnings) log::warn("{}", w);
+    return;
+  }
   for (auto it : root) {
     std::string key = key_of(it.first.as<std::string>());
     const Flag* flag = nullptr;
@@ -507,6 +552,58 @@ void check_effective(Command cmd, const Config& c) {
            "without --nproc-per-node N (under torchrun or SLURM the launcher sets them)");
   if (cmd == Command::Validate && !c.checkpoint.empty())
     refuse({"pretrained", "pretrained-path"}, "with --checkpoint (the checkpoint's weights are validated)");
+}
+
+// torchvision's and Detectron2's schedule flags next to timm's: a pair that names the same thing
+// is refused unless both agree; what follows from them (--sched multistep) is set here, the rest
+// (units, the warmup start, the per-process batch) by the adapters that know the world size.
+void reset_flag(Config& c, const std::string& name) {
+  for (auto& f : flags())
+    if (name == f.name) std::visit([&](auto member) { c.*member = Config{}.*member; }, f.field);
+  c.given.erase(name);
+}
+
+void check_schedule(Config& c, const std::set<std::string>& on_cli) {
+  // Two flags that set the same thing: the command line's wins over the -c file's counterpart
+  // (a Detectron2 file sets --ims-per-batch; `-b 2` on the command line replaces it).
+  auto one_of = [&](const char* a, const char* b, const std::string& what, bool cli_wins = true) {
+    if (!c.was_given(a) || !c.was_given(b)) return;
+    if (cli_wins && on_cli.count(a) && !on_cli.count(b)) return reset_flag(c, b);
+    if (cli_wins && on_cli.count(b) && !on_cli.count(a)) return reset_flag(c, a);
+    throw UserError(fmt::format("--{} and --{} both set {}; give one of them{}", a, b, what,
+                                on_cli.count(a) == on_cli.count(b) ? "" : " (on the command line or in -c's file)"));
+  };
+  if (on_cli.count("sched") && c.sched != "multistep" && c.was_given("lr-steps") && !on_cli.count("lr-steps"))
+    reset_flag(c, "lr-steps");  // the command line's schedule replaces the file's milestones
+  one_of("lr-steps", "decay-milestones", "the decay points");
+  one_of("warmup-iters", "warmup-epochs", "the warmup length");
+  one_of("warmup-factor", "warmup-lr", "where the warmup starts");
+  // not overridden one for the other: with --max-iter the file's milestones count updates
+  one_of("max-iter", "epochs", "the training length", false);
+  one_of("ims-per-batch", "batch-size", "the batch size");
+  if (c.was_given("lr-gamma") && c.was_given("decay-rate") && *c.lr_gamma != c.decay_rate) one_of("lr-gamma", "decay-rate", "the decay factor");
+  if (c.max_iter) {
+    const std::map<std::string, bool> zero = {{"warmup-epochs", c.warmup_epochs == 0},  // 0 epochs is 0 updates
+                                              {"cooldown-epochs", c.cooldown_epochs == 0}};
+    for (const char* f : {"warmup-epochs", "decay-epochs", "cooldown-epochs", "warmup-prefix", "start-epoch"})
+      if (c.was_given(f) && !(zero.count(f) && zero.at(f)))
+        throw UserError(fmt::format("--{} counts epochs; with --max-iter every schedule length counts updates "
+                                    "(--warmup-iters, --lr-steps)",
+                                    f));
+    if (c.sched == "plateau" || c.sched == "step")
+      throw UserError(fmt::format("--sched {} counts epochs; with --max-iter use multistep (--lr-steps), cosine, tanh "
+                                  "or poly",
+                                  c.sched));
+    if (c.lr_cycle_limit != 1 || c.lr_cycle_mul != 1.0)
+      throw UserError("--lr-cycle-limit / --lr-cycle-mul: with --max-iter the schedule is one cycle of --max-iter updates");
+  }
+  if ((c.max_iter || c.warmup_iters) && c.sched == "plateau")
+    throw UserError("--sched plateau steps per epoch; --warmup-iters and --max-iter need a schedule stepped per update");
+  if (!c.lr_steps.empty()) {
+    if (c.was_given("sched") && c.sched != "multistep")
+      throw UserError(fmt::format("--lr-steps are multistep milestones, but --sched is {}", c.sched));
+    c.sched = "multistep";
+  }
 }
 
 // --dist-url tcp://HOST:PORT (Detectron2's launch) is --master-addr HOST --master-port PORT.
@@ -622,13 +719,21 @@ std::optional<Config> parse(Command cmd, const std::vector<std::string>& in_args
     c.config_file = r["config"].as<std::string>();
     apply_yaml(c, cmd, c.config_file);
   }
+  std::set<std::string> on_cli;
   for (auto& f : flags()) {
     if (!(f.cmds & bit) || !r.count(f.name)) continue;
     std::string where = std::string("--") + f.name;
     assign(c, f, r[f.name].as<std::string>(), where);
     c.given.insert(f.name);
+    on_cli.insert(f.name);
   }
   check_effective(cmd, c);
+  if (cmd == Command::Train) check_schedule(c, on_cli);
+  if (c.pretrained_path.find("://") != std::string::npos)
+    throw UserError(fmt::format("--pretrained-path '{}': imgtrain reads local files (safetensors or torch.save); "
+                                "Detectron2's model-zoo .pkl weights are not torchvision's ResNet: give torchvision's "
+                                "weights for the backbone with --pretrained-path FILE",
+                                c.pretrained_path));
   if (c.was_given("dist-url")) apply_dist_url(c);
   if (c.device != "auto" && c.device != "cpu" && c.device != "cuda" && c.device.rfind("cuda:", 0) != 0)
     throw UserError(fmt::format("--device '{}': expected auto, cpu, cuda or cuda:N", c.device));
@@ -652,7 +757,8 @@ void check_flags_for_task(const Config& c, const std::string& task, const std::s
       "aspect-ratio-group-factor", "trainable-backbone-layers", "rpn-score-thresh", "data-augmentation", "min-size",
       "max-size", "rpn-pre-nms-top-n-train", "rpn-pre-nms-top-n-test", "rpn-post-nms-top-n-train",
       "rpn-post-nms-top-n-test", "rpn-nms-thresh", "rpn-batch-size-per-image", "box-batch-size-per-image",
-      "box-score-thresh", "box-nms-thresh", "box-detections-per-img", "box-sampling-ratio", "roi-align-v2", "box-loss"};
+      "box-score-thresh", "box-nms-thresh", "box-detections-per-img", "box-sampling-ratio", "roi-align-v2", "box-loss",
+      "rpn-box-loss", "two-bucket-grouping", "min-size-test"};
   if (!c.task.empty() && c.task != task)
     throw UserError(fmt::format("--task {}: --model {} is a {} model", c.task, model, task));
   if (task == "classification") {

@@ -69,6 +69,13 @@ struct Config {
   bool warmup_prefix = false;
   int64_t cooldown_epochs = 0;
   double decay_rate = 0.1;
+  // torchvision's / Detectron2's schedule names
+  std::vector<double> lr_steps;          // torch MultiStepLR milestones (epochs, or updates with max_iter)
+  std::optional<double> lr_gamma;       // their factor (= --decay-rate)
+  std::optional<int64_t> warmup_iters;   // warmup length in optimizer updates
+  std::optional<double> warmup_factor;   // warmup starts at lr * this (instead of --warmup-lr)
+  std::optional<int64_t> max_iter;       // train this many updates; schedule lengths count updates
+  std::optional<int64_t> ims_per_batch;  // Detectron2's SOLVER.IMS_PER_BATCH: batch summed over processes
   // augmentation / regularisation
   bool no_aug = false;
   std::vector<double> scale{0.08, 1.0};
@@ -143,10 +150,12 @@ struct Config {
   // detection (torchvision's references/detection flags)
   std::string task;  // "" = the model's task; classification | detection must match it
   int64_t aspect_ratio_group_factor = 3;
+  bool two_bucket_grouping = false;  // Detectron2's AspectRatioGroupedDataset: landscape / the rest
   std::optional<int64_t> trainable_backbone_layers;
   double rpn_score_thresh = 0.0;
   std::string data_augmentation = "hflip";
   std::vector<double> min_size{800};
+  std::optional<double> min_size_test;  // evaluation's shorter side ("" = the last --min-size)
   double max_size = 1333;
   // torchvision's FasterRCNN keyword arguments (Detectron2's MODEL.RPN.* / MODEL.ROI_HEADS.* keys)
   int64_t rpn_pre_nms_top_n_train = 2000, rpn_pre_nms_top_n_test = 1000;
@@ -159,6 +168,7 @@ struct Config {
   int64_t box_sampling_ratio = 2;
   bool roi_align_v2 = false;
   std::string box_loss = "smooth_l1";
+  std::string rpn_box_loss = "smooth_l1";
 
   // The flags (long names) the command line or the -c file set, for checks that a flag given
   // where it has no effect is an error rather than silently ignored.

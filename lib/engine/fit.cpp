@@ -163,8 +163,14 @@ ResumePoint resume(Run& r, const cli::Config& cfg, const std::string& path, Chec
   return p;
 }
 
-int fit(const cli::Config& cfg, torch::Device device, dist::Context* ctx) {
+int fit(const cli::Config& given_cfg, torch::Device device, dist::Context* ctx) {
   const int64_t rank = ctx ? ctx->rank() : 0, world = ctx ? ctx->world() : 1;
+  cli::Config cfg = given_cfg;  // with what the world size decides; args.yaml keeps the flags as given
+  if (cfg.ims_per_batch) {
+    if (*cfg.ims_per_batch % world)
+      throw UserError(fmt::format("--ims-per-batch {}: not a multiple of the {} processes", *cfg.ims_per_batch, world));
+    cfg.batch_size = *cfg.ims_per_batch / world;
+  }
   const bool primary = rank == 0;  // only rank 0 writes files
   torch::manual_seed(uint64_t(cfg.seed + rank));  // timm's random_seed(seed, rank)
   Run r;
@@ -207,6 +213,7 @@ int fit(const cli::Config& cfg, torch::Device device, dist::Context* ctx) {
   elo.refill_unreadable = false;
   elo.pad_shares = !r.setup.sharded_eval;
   elo.aspect_ratio_group_factor = -1;
+  elo.two_bucket_grouping = false;
   data::Loader eval_loader(r.setup.eval, r.setup.eval_transform, elo);
 
   const int64_t updates_per_epoch =
@@ -215,7 +222,7 @@ int fit(const cli::Config& cfg, torch::Device device, dist::Context* ctx) {
   optim::Scheduler& scheduler = *r.scheduler;
   const int64_t num_epochs = scheduler.num_epochs();
 
-  r.args_yaml = cli::to_yaml(cli::Command::Train, cfg);
+  r.args_yaml = cli::to_yaml(cli::Command::Train, given_cfg);
   const RunFolder run(cfg.output, cfg.experiment.empty() ? default_experiment(cfg.model, dc.img_size) : cfg.experiment,
                       r.args_yaml, primary);
   run.open_log();
@@ -240,7 +247,11 @@ int fit(const cli::Config& cfg, torch::Device device, dist::Context* ctx) {
   std::unique_ptr<dist::GradSync> grad_sync;  // created last, on the final parameters (as DDP)
   if (ctx) grad_sync = ctx->grad_sync(*r.model, cfg.bucket_cap_mb, !cfg.no_ddp_bb);
   if (cfg.start_epoch) start_epoch = *cfg.start_epoch;
-  log::info("Scheduled epochs: {}. LR stepped per {}.", num_epochs, cfg.sched_on_updates ? "update" : "epoch");
+  if (cfg.max_iter)
+    log::info("Scheduled epochs: {} ({} updates of {} per epoch). LR stepped per update.", num_epochs, *cfg.max_iter,
+              updates_per_epoch);
+  else
+    log::info("Scheduled epochs: {}. LR stepped per {}.", num_epochs, scheduler.on_updates() ? "update" : "epoch");
   if (start_epoch > 0 && cfg.sched == "plateau" && !rp.plateau.empty()) {
     optim::Scheduler::PlateauState ps;  // the metric-driven state as the checkpoint left it
     std::istringstream in(rp.plateau);
@@ -248,7 +259,7 @@ int fit(const cli::Config& cfg, torch::Device device, dist::Context* ctx) {
     scheduler.set_plateau_state(ps);
     r.optimizer->set_lr(ps.lr);
   } else if (start_epoch > 0) {  // as timm: position the schedule at the resumed epoch
-    if (auto s = cfg.sched_on_updates ? scheduler.on_update(r.num_updates) : scheduler.on_epoch(start_epoch))
+    if (auto s = scheduler.on_updates() ? scheduler.on_update(r.num_updates) : scheduler.on_epoch(start_epoch))
       r.optimizer->set_lr(*s);
   }
 
@@ -257,6 +268,7 @@ int fit(const cli::Config& cfg, torch::Device device, dist::Context* ctx) {
   lopt.clip_grad = cfg.clip_grad;
   lopt.clip_mode = cfg.clip_mode;
   lopt.log_interval = cfg.log_interval;
+  lopt.max_updates = cfg.max_iter.value_or(0);
   lopt.mean = dc.mean;
   lopt.std = dc.std;
   lopt.device = device;

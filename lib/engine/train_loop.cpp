@@ -185,11 +185,12 @@ EpochResult train_one_epoch(Task& task, torch::nn::Module& model, data::Loader& 
     optimizer.zero_grad(set_to_none);
     ++num_updates;
     ++updates_done;
+    const bool run_ends = o.max_updates > 0 && num_updates >= o.max_updates;  // --max-iter reached
     if (updates_done == 1) dist::mark_work_started();  // from here a stop is honoured with a checkpoint
     if (ema) ema->update(num_updates);
     update_time.update(seconds_since(update_start));
     update_start = Clock::now();
-    if (last_batch || update_idx % o.log_interval == 0) {
+    if (last_batch || run_ends || update_idx % o.log_interval == 0) {
       double loss_now = losses.val, loss_avg = losses.avg();
       std::vector<double> vals{loss_now, loss_avg};
       for (auto& [k, m] : parts) vals.push_back(m.val), vals.push_back(m.avg());
@@ -205,11 +206,13 @@ EpochResult train_one_epoch(Task& task, torch::nn::Module& model, data::Loader& 
                 update_time.avg(), double(update_samples) / update_time.avg(), optimizer.mean_lr(), data_time.val,
                 data_time.avg(), part_text);
     }
-    if (o.save_recovery && o.recovery_interval && (update_idx + 1) % o.recovery_interval == 0 && !last_batch)
+    if (o.save_recovery && o.recovery_interval && (update_idx + 1) % o.recovery_interval == 0 && !last_batch &&
+        !run_ends)
       o.save_recovery(update_idx);
     if (o.scheduler)  // timm's lr_scheduler.step_update(num_updates) after the log line
       if (auto lr = o.scheduler->on_update(num_updates)) optimizer.set_lr(*lr);
     update_samples = 0;
+    if (run_ends) break;  // every rank counts the same updates
     if (o.honour_stop && !last_batch) {  // (after the last batch, fit stops after the checkpoint)
       // Every rank stops after the same update: the flag is agreed on (one tiny all-reduce).
       const int sig = dist::stop_signal();

@@ -31,6 +31,7 @@ struct LoopOptions {
   const optim::Scheduler* scheduler = nullptr;
   MasterWeights* master = nullptr;  // O2: the optimizer steps these float32 copies
   int64_t start_update = 0;         // resume inside the epoch (a recovery checkpoint)
+  int64_t max_updates = 0;          // > 0: the run ends after this many updates (--max-iter), mid-epoch too
   int64_t recovery_interval = 0;    // --recovery-interval: save_recovery after every N updates
   std::function<void(int64_t update_idx)> save_recovery;
   // Data parallel: collectives (loss averages for the log) and the gradient reducer; null alone.

@@ -342,10 +342,13 @@ std::unique_ptr<Optimizer> create_optimizer(const OptimizerArgs& a,
 }
 
 Scheduler::Scheduler(SchedulerArgs a) : a_(std::move(a)) {
-  const double u = a_.on_updates ? double(a_.updates_per_epoch) : 1.0;
   if (a_.on_updates && a_.updates_per_epoch <= 0) throw std::invalid_argument("on_updates needs updates_per_epoch");
-  t_initial_ = double(a_.epochs) * u;
-  warmup_t_ = double(a_.warmup_epochs) * u;
+  if ((a_.max_updates > 0 || a_.warmup_updates >= 0) && !a_.on_updates)
+    throw std::invalid_argument("max_updates / warmup_updates need on_updates");
+  // Lengths in epochs become updates with on_updates; with max_updates they are updates already.
+  const double u = a_.on_updates && a_.max_updates <= 0 ? double(a_.updates_per_epoch) : 1.0;
+  t_initial_ = a_.max_updates > 0 ? double(a_.max_updates) : double(a_.epochs) * u;
+  warmup_t_ = a_.warmup_updates >= 0 ? double(a_.warmup_updates) : double(a_.warmup_epochs) * u;
   decay_t_ = a_.decay_epochs * u;
   cooldown_t_ = double(a_.cooldown_epochs) * u;
   for (auto m : a_.decay_milestones) milestones_.push_back(double(m) * u);
@@ -368,8 +371,10 @@ double Scheduler::after_warmup(double t) const {
   if (a_.warmup_prefix) t -= warmup_t_;
   if (a_.sched == "step") return a_.base_lr * std::pow(a_.decay_rate, std::floor(t / decay_t_));
   if (a_.sched == "multistep") {
-    // timm's convention: milestone m applies from t == m - 1 (bisect_right(milestones, t + 1)).
-    auto n = std::upper_bound(milestones_.begin(), milestones_.end(), t + 1) - milestones_.begin();
+    // timm's convention: milestone m applies from t == m - 1 (bisect_right(milestones, t + 1));
+    // torch's MultiStepLR from t == m (bisect_right(milestones, t)).
+    const double at = a_.torch_milestones ? t : t + 1;
+    auto n = std::upper_bound(milestones_.begin(), milestones_.end(), at) - milestones_.begin();
     return a_.base_lr * std::pow(a_.decay_rate, double(n));
   }
   // cosine, tanh, poly: cycles of t_initial * cycle_mul^i, peak decayed by cycle_decay^i.
@@ -396,6 +401,7 @@ double Scheduler::after_warmup(double t) const {
 }
 
 int64_t Scheduler::num_epochs() const {
+  if (a_.max_updates > 0) return (a_.max_updates + a_.updates_per_epoch - 1) / a_.updates_per_epoch;
   if (a_.sched == "cosine" || a_.sched == "tanh" || a_.sched == "poly") {
     const double cycles = double(std::max<int64_t>(1, a_.cycle_limit));
     double t = a_.cycle_mul == 1.0 ? t_initial_ * cycles

@@ -117,6 +117,13 @@ struct SchedulerArgs {
   int64_t cycle_limit = 1;
   bool on_updates = false;       // --sched-on-updates
   int64_t updates_per_epoch = 0;
+  // torch's MultiStepLR convention (torchvision's --lr-steps, Detectron2's SOLVER.STEPS): milestone
+  // m applies from t == m; timm's multistep applies it from t == m - 1.
+  bool torch_milestones = false;
+  int64_t warmup_updates = -1;   // >= 0: the warmup's length in updates (on_updates), not warmup_epochs
+  // > 0: Detectron2's MAX_ITER: the schedule is this many updates long (on_updates) and the other
+  // lengths (milestones, cooldown) count updates too.
+  int64_t max_updates = 0;
 };
 
 class Scheduler {

@@ -198,14 +198,17 @@ model_zoo::detection::RCNNOptions rcnn_options(const cli::Config& cfg, int64_t n
   o.box_sampling_ratio = o.mask_sampling_ratio = cfg.box_sampling_ratio;
   o.roi_aligned = cfg.roi_align_v2;
   o.box_loss = cfg.box_loss;
+  o.rpn_box_loss = cfg.rpn_box_loss;
   return o;
 }
+
+double eval_min_size(const cli::Config& cfg) { return cfg.min_size_test.value_or(cfg.min_size.back()); }
 
 engine::DataConfig detection_data_config(const cli::Config& cfg, const std::string& arch) {
   const auto& d = model_zoo::model_defaults(arch);
   engine::DataConfig dc;
   dc.in_chans = 3;
-  dc.img_size = int64_t(cfg.min_size.back());
+  dc.img_size = int64_t(eval_min_size(cfg));
   dc.crop_pct = 1.0;
   dc.mean.assign(d.mean.begin(), d.mean.end());
   dc.std.assign(d.std.begin(), d.std.end());
@@ -228,7 +231,21 @@ std::vector<int64_t> to_sizes(const std::vector<double>& v) {
   return out;
 }
 
-TaskSetup detection_setup(const cli::Config& cfg, int64_t rank, int64_t world) {
+// The model builder's own defaults (the 320 MobileNetV3 detector's sizes and RPN numbers) where
+// the user gave no flag for them.
+cli::Config with_model_defaults(const cli::Config& given, const std::string& arch) {
+  cli::Config cfg = given;
+  const auto d = model_zoo::detection::rcnn_defaults(arch);
+  if (!cfg.was_given("min-size")) cfg.min_size = {d.min_size};
+  if (!cfg.was_given("max-size")) cfg.max_size = d.max_size;
+  if (!cfg.was_given("rpn-pre-nms-top-n-test")) cfg.rpn_pre_nms_top_n_test = d.rpn_pre_nms_top_n_test;
+  if (!cfg.was_given("rpn-post-nms-top-n-test")) cfg.rpn_post_nms_top_n_test = d.rpn_post_nms_top_n_test;
+  if (!cfg.was_given("rpn-score-thresh")) cfg.rpn_score_thresh = d.rpn_score_thresh;
+  return cfg;
+}
+
+TaskSetup detection_setup(const cli::Config& given, int64_t rank, int64_t world) {
+  const cli::Config cfg = with_model_defaults(given, given.model);
   TaskSetup s;
   if (cfg.in_chans && *cfg.in_chans != 3) throw UserError("--in-chans: detection models take 3-channel images");
   if (cfg.img_size) throw UserError("--img-size: detection models resize by --min-size / --max-size");
@@ -246,7 +263,7 @@ TaskSetup detection_setup(const cli::Config& cfg, int64_t rank, int64_t world) {
   o.model = cfg.model;
   o.rcnn = rcnn_options(cfg, num_classes);
   o.pretrained_path = cfg.pretrained_path;
-  o.eval_min_size = cfg.min_size.back();
+  o.eval_min_size = eval_min_size(cfg);
   o.max_size = cfg.max_size;
   o.seed = uint64_t(cfg.seed);
   o.rank = rank;
@@ -262,14 +279,15 @@ TaskSetup detection_setup(const cli::Config& cfg, int64_t rank, int64_t world) {
     tc.min_sizes = {480, 512, 544, 576, 608, 640, 672, 704, 736, 768, 800};  // torchvision's presets
   s.eval_transform = tc;
   s.eval_transform.train = false;
-  s.eval_transform.min_sizes = {int64_t(cfg.min_size.back())};
+  s.eval_transform.min_sizes = {int64_t(eval_min_size(cfg))};
   s.sharded_eval = true;
   s.model_meta = detection_meta(cfg.model, num_classes, s.data);
   return s;
 }
 
-TaskSetup detection_validate_setup(const cli::Config& cfg, const engine::CheckpointMeta* meta,
+TaskSetup detection_validate_setup(const cli::Config& given, const engine::CheckpointMeta* meta,
                                    const std::string& arch) {
+  const cli::Config cfg = with_model_defaults(given, arch);
   TaskSetup s;
   const bool masks = model_zoo::detection::rcnn_has_mask(arch);
   s.data = detection_data_config(cfg, arch);
@@ -285,13 +303,13 @@ TaskSetup detection_validate_setup(const cli::Config& cfg, const engine::Checkpo
   o.rcnn = rcnn_options(cfg, num_classes);
   o.rcnn.from_weights = false;
   o.pretrained_path = cfg.pretrained_path;
-  o.eval_min_size = cfg.min_size.back();
+  o.eval_min_size = eval_min_size(cfg);
   o.max_size = cfg.max_size;
   o.eval_data = eval;
   o.results_path = cfg.results_file.empty() ? "" : cfg.results_file + ".detections.json";
   s.task = std::make_unique<DetectionTask>(std::move(o));
   s.eval_transform.channels = 3;
-  s.eval_transform.min_sizes = {int64_t(cfg.min_size.back())};
+  s.eval_transform.min_sizes = {int64_t(eval_min_size(cfg))};
   s.sharded_eval = true;
   s.model_meta = detection_meta(arch, num_classes, s.data);
   return s;

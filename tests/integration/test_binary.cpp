@@ -439,6 +439,25 @@ TEST_CASE("resume is exact: 2 epochs straight equal 1 + resume + 1, and a mid-ep
   expect_same_state(out / "straight/last.safetensors", out / "rec/last.safetensors");
 }
 
+TEST_CASE("max-iter ends the run after that many updates, mid-epoch, with torch's milestones", "[integration]") {
+  auto data = test::fmnist_folder(200, 100);
+  test::TempDir out("maxiter");
+  // 10 updates per epoch: epoch 1 stops after its third update; the lr halves from update 12 on
+  auto r = test::run(kBin + " train --data-dir " + data + kSmallArgs +
+                     " -b 20 --max-iter 13 --lr-steps 12 --lr-gamma 0.5 --log-interval 1 --output " +
+                     out.path.string() + " --experiment m");
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK_THAT(r.output, Catch::Contains("Scheduled epochs: 2 (13 updates of 10 per epoch). LR stepped per update."));
+  CHECK(std::regex_search(r.output, std::regex(R"(Train: 1 \[   1/10 .*LR: 1\.000e-01)")));
+  CHECK(std::regex_search(r.output, std::regex(R"(Train: 1 \[   2/10 .*LR: 5\.000e-02)")));
+  CHECK_THAT(r.output, !Catch::Contains("Train: 1 [   3/10"));
+  const auto meta = engine::Checkpoint::read_meta(out / "m/last.safetensors");
+  CHECK(meta.epoch == 1);
+  CHECK(meta.num_updates == 13);
+  CHECK(test::read_csv(out / "m/summary.csv").size() == 3);  // header + 2 epochs
+}
+
 TEST_CASE("kill -9 mid-epoch, then resume from the recovery checkpoint and finish", "[integration]") {
   auto data = test::fmnist_folder(200, 100);
   test::TempDir out("kill");
@@ -700,6 +719,53 @@ TEST_CASE("Mask R-CNN trains on COCO data, logs its losses, resumes exactly and 
     REQUIRE(py.code == 0);
     CHECK(std::stod(py.output) == Approx(res[type + "_AP"].get<double>()).margin(1e-9));
   }
+}
+
+TEST_CASE("a Detectron2 config trains Mask R-CNN by iterations, with its solver and RoIAlignV2", "[integration][detection]") {
+  const std::string data = std::string(IMGTRAIN_PARITY_DIR) + "/fcoco";
+  test::TempDir out("d2");
+  test::write_file(out / "d2.yaml", R"(MODEL:
+  META_ARCHITECTURE: "GeneralizedRCNN"
+  MASK_ON: True
+  RESNETS:
+    DEPTH: 18
+  RPN:
+    POST_NMS_TOPK_TRAIN: 300
+    PRE_NMS_TOPK_TEST: 300
+    POST_NMS_TOPK_TEST: 300
+  ROI_HEADS:
+    BATCH_SIZE_PER_IMAGE: 64
+SOLVER:
+  IMS_PER_BATCH: 2
+  BASE_LR: 0.01
+  STEPS: (10,)
+  MAX_ITER: 15
+  WARMUP_ITERS: 5
+  CHECKPOINT_PERIOD: 1000
+INPUT:
+  MIN_SIZE_TRAIN: (80, 96)
+  MIN_SIZE_TEST: 96
+  MAX_SIZE_TRAIN: 160
+  MAX_SIZE_TEST: 160
+DATALOADER:
+  NUM_WORKERS: 2
+TEST:
+  DETECTIONS_PER_IMAGE: 50
+)");
+  auto r = test::run(kBin + " train -c " + (out / "d2.yaml") + " --data-dir " + data +
+                     " --device cpu --log-interval 4 --output " + out.path.string() + " --experiment d2");
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  // 24 images in batches of 2 grouped landscape / other: 12 updates per epoch, the second stops at 15
+  CHECK_THAT(r.output, Catch::Contains("Scheduled epochs: 2 (15 updates of 12 per epoch)"));
+  CHECK_THAT(r.output, Catch::Contains("SOLVER.CHECKPOINT_PERIOD") && Catch::Contains("changes nothing"));
+  CHECK_THAT(r.output, Catch::Contains("Final bbox_AP: "));
+  const auto meta = engine::Checkpoint::read_meta(out / "d2/last.safetensors");
+  CHECK(meta.num_updates == 15);
+  const std::string args = test::read_file(out / "d2/args.yaml");
+  CHECK_THAT(args, Catch::Contains("model: \"maskrcnn_resnet18_fpn\"") && Catch::Contains("roi_align_v2: true") &&
+                       Catch::Contains("box_sampling_ratio: 0") && Catch::Contains("box_loss: \"l1\"") &&
+                       Catch::Contains("two_bucket_grouping: true") && Catch::Contains("ims_per_batch: 2"));
 }
 
 namespace {

@@ -1,7 +1,9 @@
+#include "cli/adapters.h"
 #include "cli/config.h"
 #include "core/error.h"
 #include "core/registry.h"
 #include "dist/env.h"
+#include "optim/optim.h"
 #include "test_util.h"
 
 #include <catch2/catch.hpp>
@@ -323,4 +325,209 @@ TEST_CASE("flags carry the task they apply to", "[cli]") {
   CHECK_NOTHROW(check_flags_for_task(train({"--mixup", "0.2", "--aa", "rand-m9"}), "classification", "resnet50"));
   CHECK_NOTHROW(check_flags_for_task(train({"--lr", "0.02", "--epochs", "26", "--amp"}), "detection", "m"));
   CHECK_NOTHROW(check_flags_for_task(train({}), "detection", "m"));
+}
+
+TEST_CASE("torchvision's schedule flags: --lr-steps in epochs from torch's milestone, warmup in updates", "[cli][sched]") {
+  auto c = train({"--lr", "0.02", "--lr-steps", "16", "22", "--lr-gamma", "0.1", "--warmup-iters", "1000",
+                  "--warmup-factor", "0.001", "--epochs", "26"});
+  CHECK(c.sched == "multistep");
+  imgtrain::optim::Scheduler s(imgtrain::cli::scheduler_options(c, *c.lr, 500));  // 500 updates per epoch
+  CHECK(s.on_updates());
+  CHECK(s.num_epochs() == 26);
+  CHECK(s.initial_lr() == Approx(0.02 * 0.001));
+  CHECK(s.lr_at(500) == Approx(0.02 * (0.001 + 0.999 * 0.5)));  // torchvision's LinearLR from 1/1000
+  CHECK(s.lr_at(1000) == Approx(0.02));
+  CHECK(s.lr_at(16 * 500 - 1) == Approx(0.02));  // MultiStepLR: epoch 16 is the first at 0.1x
+  CHECK(s.lr_at(16 * 500) == Approx(0.002));
+  CHECK(s.lr_at(22 * 500) == Approx(0.0002));
+  // timm's --decay-milestones keep timm's convention (one epoch earlier)
+  auto t = train({"--lr", "0.02", "--sched", "multistep", "--decay-milestones", "16", "--warmup-epochs", "0"});
+  imgtrain::optim::Scheduler ts(imgtrain::cli::scheduler_options(t, *t.lr, 1));
+  CHECK(ts.lr_at(15) == Approx(0.002));
+  CHECK(error_of({"--lr-steps", "3", "--decay-milestones", "4"}) ==
+        "--lr-steps and --decay-milestones both set the decay points; give one of them");
+  CHECK(error_of({"--lr-steps", "3", "--sched", "cosine"}) == "--lr-steps are multistep milestones, but --sched is cosine");
+  CHECK(error_of({"--warmup-iters", "3", "--warmup-epochs", "1"}) ==
+        "--warmup-iters and --warmup-epochs both set the warmup length; give one of them");
+  CHECK(error_of({"--warmup-iters", "3", "--sched", "plateau"}) ==
+        "--sched plateau steps per epoch; --warmup-iters and --max-iter need a schedule stepped per update");
+}
+
+TEST_CASE("max-iter: the run and every schedule length count updates", "[cli][sched]") {
+  auto c = train({"--lr", "0.1", "--max-iter", "2500", "--lr-steps", "2000", "--warmup-iters", "100"});
+  imgtrain::optim::Scheduler s(imgtrain::cli::scheduler_options(c, *c.lr, 1000));
+  CHECK(s.num_epochs() == 3);  // ceil(2500 / 1000): the last epoch ends after its 500th update
+  CHECK(s.lr_at(100) == Approx(0.1));
+  CHECK(s.lr_at(1999) == Approx(0.1));
+  CHECK(s.lr_at(2000) == Approx(0.01));
+  auto cos = train({"--lr", "0.1", "--max-iter", "2000"});  // cosine over 2000 updates, no warmup
+  imgtrain::optim::Scheduler cs(imgtrain::cli::scheduler_options(cos, *cos.lr, 300));
+  CHECK(cs.lr_at(0) == Approx(0.1));
+  CHECK(cs.lr_at(1000) == Approx(0.05));
+  CHECK(cs.num_epochs() == 7);
+  CHECK(error_of({"--max-iter", "10", "--epochs", "3"}) ==
+        "--max-iter and --epochs both set the training length; give one of them");
+  CHECK(error_of({"--max-iter", "10", "--warmup-epochs", "1"}) ==
+        "--warmup-epochs counts epochs; with --max-iter every schedule length counts updates (--warmup-iters, --lr-steps)");
+  CHECK_THAT(error_of({"--max-iter", "10", "--sched", "step"}), Catch::Contains("--sched step counts epochs"));
+  CHECK(error_of({"--ims-per-batch", "16", "-b", "4"}) ==
+        "--ims-per-batch and --batch-size both set the batch size; give one of them");
+}
+
+namespace {
+// Detectron2's Base-RCNN-FPN.yaml and mask_rcnn_R_101_FPN_3x.yaml, key for key.
+void write_detectron2_configs(const std::filesystem::path& d) {
+  std::filesystem::create_directories(d / "COCO-InstanceSegmentation");
+  test::write_file(d / "Base-RCNN-FPN.yaml", R"(MODEL:
+  META_ARCHITECTURE: "GeneralizedRCNN"
+  BACKBONE:
+    NAME: "build_resnet_fpn_backbone"
+  RESNETS:
+    OUT_FEATURES: ["res2", "res3", "res4", "res5"]
+  FPN:
+    IN_FEATURES: ["res2", "res3", "res4", "res5"]
+  ANCHOR_GENERATOR:
+    SIZES: [[32], [64], [128], [256], [512]]  # One size for each in feature map
+    ASPECT_RATIOS: [[0.5, 1.0, 2.0]]  # Three aspect ratios (same for all in feature maps)
+  RPN:
+    IN_FEATURES: ["p2", "p3", "p4", "p5", "p6"]
+    PRE_NMS_TOPK_TRAIN: 2000  # Per FPN level
+    PRE_NMS_TOPK_TEST: 1000  # Per FPN level
+    POST_NMS_TOPK_TRAIN: 1000
+    POST_NMS_TOPK_TEST: 1000
+  ROI_HEADS:
+    NAME: "StandardROIHeads"
+    IN_FEATURES: ["p2", "p3", "p4", "p5"]
+  ROI_BOX_HEAD:
+    NAME: "FastRCNNConvFCHead"
+    NUM_FC: 2
+    POOLER_RESOLUTION: 7
+  ROI_MASK_HEAD:
+    NAME: "MaskRCNNConvUpsampleHead"
+    NUM_CONV: 4
+    POOLER_RESOLUTION: 14
+DATASETS:
+  TRAIN: ("coco_2017_train",)
+  TEST: ("coco_2017_val",)
+SOLVER:
+  IMS_PER_BATCH: 16
+  BASE_LR: 0.02
+  STEPS: (60000, 80000)
+  MAX_ITER: 90000
+INPUT:
+  MIN_SIZE_TRAIN: (640, 672, 704, 736, 768, 800)
+VERSION: 2
+)");
+  test::write_file(d / "COCO-InstanceSegmentation/mask_rcnn_R_101_FPN_3x.yaml", R"(_BASE_: "../Base-RCNN-FPN.yaml"
+MODEL:
+  WEIGHTS: "detectron2://ImageNetPretrained/MSRA/R-101.pkl"
+  MASK_ON: True
+  RESNETS:
+    DEPTH: 101
+SOLVER:
+  STEPS: (210000, 250000)
+  MAX_ITER: 270000
+)");
+}
+}  // namespace
+
+TEST_CASE("a Detectron2 config maps onto the same settings, _BASE_ and Detectron2's defaults included", "[cli][detectron2]") {
+  test::TempDir d("d2");
+  write_detectron2_configs(d.path);
+  const std::string f = (d / "COCO-InstanceSegmentation/mask_rcnn_R_101_FPN_3x.yaml");
+  auto c = train({"-c", f, "--pretrained-path", "resnet101.pth", "--data-dir", "/coco"});
+  CHECK(c.model == "maskrcnn_resnet101_fpn");
+  CHECK(c.dataset == "coco");
+  CHECK(c.train_split == "train");
+  CHECK(c.val_split == "val");
+  CHECK(c.max_iter == 270000);
+  CHECK(c.lr_steps == std::vector<double>{210000, 250000});
+  CHECK(c.sched == "multistep");
+  CHECK(*c.lr == Approx(0.02));
+  CHECK(c.ims_per_batch == 16);
+  CHECK(c.warmup_iters == 1000);
+  CHECK(*c.warmup_factor == Approx(0.001));
+  CHECK(c.opt == "momentum");
+  CHECK(c.momentum == Approx(0.9));
+  CHECK(c.weight_decay == Approx(1e-4));
+  CHECK(c.min_size == std::vector<double>{640, 672, 704, 736, 768, 800});
+  CHECK(*c.min_size_test == 800);
+  CHECK(c.max_size == 1333);
+  CHECK(c.roi_align_v2);
+  CHECK(c.box_sampling_ratio == 0);
+  CHECK(c.box_loss == "l1");
+  CHECK(c.rpn_box_loss == "l1");
+  CHECK(c.rpn_post_nms_top_n_train == 1000);  // the base file's, over Detectron2's default 2000
+  CHECK(c.rpn_pre_nms_top_n_train == 2000);
+  CHECK(c.box_batch_size_per_image == 512);
+  CHECK_FALSE(c.trainable_backbone_layers.has_value());  // FREEZE_AT's default 2 is torchvision's own
+  CHECK(c.two_bucket_grouping);
+  CHECK(c.workers == 4);
+  CHECK(c.pretrained_path == "resnet101.pth");
+  imgtrain::optim::Scheduler s(imgtrain::cli::scheduler_options(c, *c.lr, 7330));
+  CHECK(s.num_epochs() == 37);
+  CHECK(s.lr_at(0) == Approx(0.02 * 0.001));
+  CHECK(s.lr_at(209999) == Approx(0.02));
+  CHECK(s.lr_at(210000) == Approx(0.002));  // WarmupMultiStepLR: bisect_right(steps, iter)
+  CHECK(s.lr_at(250000) == Approx(0.0002));
+  // The command line wins over the file's counterpart; args.yaml reads back to the same config.
+  auto b = train({"-c", f, "--pretrained-path", "r.pth", "-b", "2", "--sched", "cosine"});
+  CHECK_FALSE(b.ims_per_batch.has_value());
+  CHECK(b.batch_size == 2);
+  CHECK(b.lr_steps.empty());
+  test::write_file(d / "args.yaml", imgtrain::cli::to_yaml(Command::Train, c));
+  auto back = train({"-c", (d / "args.yaml")});
+  CHECK(imgtrain::cli::to_yaml(Command::Train, back) == imgtrain::cli::to_yaml(Command::Train, c));
+  // validate reads the model and test settings and leaves the solver's
+  auto v = *parse(Command::Validate, {"-c", f, "--pretrained-path", "r.pth"});
+  CHECK(v.model == "maskrcnn_resnet101_fpn");
+  CHECK(*v.min_size_test == 800);
+}
+
+TEST_CASE("Detectron2 keys imgtrain cannot honour are refused by name", "[cli][detectron2]") {
+  test::TempDir d("d2");
+  write_detectron2_configs(d.path);
+  const std::string f = (d / "COCO-InstanceSegmentation/mask_rcnn_R_101_FPN_3x.yaml");
+  CHECK_THAT(error_of({"-c", f}), Catch::Contains("--pretrained-path 'detectron2://ImageNetPretrained/MSRA/R-101.pkl'") &&
+                                      Catch::Contains("torchvision's weights"));
+  CHECK(error_of({"-c", f, "--pretrained-path", "r.pth", "--epochs", "12"}) ==
+        "--max-iter and --epochs both set the training length; give one of them (on the command line or in -c's file)");
+  auto one = [&](const std::string& yaml) {
+    test::write_file(d / "x.yaml", yaml);
+    return error_of({"-c", (d / "x.yaml")});
+  };
+  CHECK(one("MODEL:\n  FOO: 1\n") ==
+        "key 'MODEL.FOO' in " + (d / "x.yaml") +
+            ": a Detectron2 key imgtrain does not map (docs/detection.md lists the keys it reads)");
+  CHECK_THAT(one("MODEL:\n  RESNETS:\n    STRIDE_IN_1X1: True\n"),
+             Catch::Contains("key 'MODEL.RESNETS.STRIDE_IN_1X1'") && Catch::Contains("stride in the 3x3"));
+  CHECK_THAT(one("MODEL:\n  RESNETS:\n    DEPTH: 152\n"), Catch::Contains("expected 18, 34, 50 or 101"));
+  CHECK_THAT(one("INPUT:\n  MAX_SIZE_TEST: 1000\n"), Catch::Contains("one --max-size"));
+  CHECK_THAT(one("SOLVER:\n  BASE_LR: -1\n"), Catch::Contains("key 'SOLVER.BASE_LR'") && Catch::Contains("'-1'"));
+  CHECK_THAT(one("SOLVER:\n  STEPS: (1, 2\n"), Catch::Contains("not a closed tuple"));
+  CHECK_THAT(one("_BASE_: missing.yaml\n"), Catch::Contains("cannot read its _BASE_"));
+  CHECK_THAT(one("_BASE_: x.yaml\n"), Catch::Contains("nest more than 8 deep"));
+  CHECK_THAT(one("DATASETS:\n  TRAIN: ('my_set',)\n"), Catch::Contains("one COCO 2017 split"));
+  // read, with no effect: a warning, not an error
+  CHECK(one("SOLVER:\n  CHECKPOINT_PERIOD: 5000\n").empty());
+  CHECK(one("MODEL:\n  BACKBONE:\n    FREEZE_AT: 0\n").empty());
+  CHECK(train({"-c", (d / "x.yaml")}).trainable_backbone_layers == 5);
+}
+
+TEST_CASE("the detection recipes parse: torchvision's, Detectron2's R101 3x, and the same in imgtrain keys with O2",
+          "[cli][detectron2]") {
+  const std::string dir = std::string(IMGTRAIN_SOURCE_DIR) + "/configs/detection/";
+  auto tv = train({"-c", dir + "maskrcnn_resnet50_fpn.yaml"});
+  CHECK(tv.lr_steps == std::vector<double>{16, 22});
+  CHECK(tv.warmup_iters == 1000);
+  auto d2 = train({"-c", dir + "detectron2/mask_rcnn_R_101_FPN_3x.yaml", "--pretrained-path", "r101.pth"});
+  auto o2 = train({"-c", dir + "mask_rcnn_R_101_FPN_3x_O2.yaml", "--pretrained-path", "r101.pth"});
+  CHECK(o2.amp_opt_level == "O2");
+  CHECK(*o2.loss_scale == 64);
+  o2.amp_opt_level = d2.amp_opt_level;
+  o2.loss_scale = d2.loss_scale;
+  o2.config_file = d2.config_file;
+  CHECK(imgtrain::cli::to_yaml(Command::Train, o2) == imgtrain::cli::to_yaml(Command::Train, d2));
+  auto cpu = train({"-c", dir + "maskrcnn_resnet18_fpn_cpu.yaml"});
+  CHECK(cpu.model == "maskrcnn_resnet18_fpn");
 }
