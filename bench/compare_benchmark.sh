@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
 # Side by side, same machine, same torch, same threads: `imgtrain benchmark` against timm in eager
-# Python (bench/timm_benchmark.py), alternating runs, medians and the ratio imgtrain / timm.
+# Python (bench/timm_benchmark.py), or a detector (--model *rcnn*) against torchvision's
+# (bench/torchvision_detection.py); alternating runs, medians and the ratio imgtrain / reference.
 #   bench/compare_benchmark.sh [RUNS] -- <benchmark flags, e.g. --model resnet50 --bench both -b 8 --img-size 160>
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 runs=${1:-3}; shift || true
 [[ ${1:-} == -- ]] && shift
 py=$here/.venv/bin/python
+ref_script=$here/bench/timm_benchmark.py ref_name=timm
+[[ " $* " == *rcnn* ]] && ref_script=$here/bench/torchvision_detection.py ref_name=torchvision
 field() { sed -n '/^--result/,$p' | sed 1d | "$py" -c "import json,sys; d=json.load(sys.stdin); print(d.get('$1', ''))"; }
 declare -a ours_i ours_t ref_i ref_t
 for ((r = 0; r < runs; r++)); do
   o=$("$here/build/bin/imgtrain" benchmark --device cpu "$@" 2>/dev/null)
-  t=$("$py" "$here/bench/timm_benchmark.py" "$@" 2>/dev/null)
+  t=$("$py" "$ref_script" "$@" 2>/dev/null)
   ours_i+=("$(field infer_samples_per_sec <<<"$o")"); ours_t+=("$(field train_samples_per_sec <<<"$o")")
   ref_i+=("$(field infer_samples_per_sec <<<"$t")"); ref_t+=("$(field train_samples_per_sec <<<"$t")")
 done
@@ -19,6 +22,6 @@ median() { printf '%s\n' "$@" | { grep -v '^$' || true; } | sort -g | awk '{a[NR
 for kind in infer train; do
   if [[ $kind == infer ]]; then mo=$(median "${ours_i[@]}"); mr=$(median "${ref_i[@]}"); else mo=$(median "${ours_t[@]}"); mr=$(median "${ref_t[@]}"); fi
   [[ -z $mo || -z $mr ]] && continue
-  printf '%-6s samples/s  imgtrain %8.2f   timm %8.2f   ratio %.3f   (median of %d)\n' "$kind" "$mo" "$mr" \
+  printf '%-6s samples/s  imgtrain %8.3f   %s %8.3f   ratio %.3f   (median of %d)\n' "$kind" "$mo" "$ref_name" "$mr" \
     "$(awk -v a="$mo" -v b="$mr" 'BEGIN {print a / b}')" "$runs"
 done

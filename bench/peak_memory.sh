@@ -11,10 +11,12 @@ rss() { /usr/bin/time -v "$@" 2>&1 >/dev/null | awk -F': ' '/Maximum resident se
 declare -a ours ref
 for ((r = 0; r < runs; r++)); do
   ours+=("$(rss "$here/build/bin/imgtrain" benchmark --device cpu "$@")")
-  ref+=("$(rss "$here/.venv/bin/python" "$here/bench/timm_benchmark.py" "$@")")
+  ref_script=$here/bench/timm_benchmark.py
+  [[ " $* " == *rcnn* ]] && ref_script=$here/bench/torchvision_detection.py  # a detector: torchvision's
+  ref+=("$(rss "$here/.venv/bin/python" "$ref_script" "$@")")
 done
 median() { printf '%s\n' "$@" | sort -g | awk '{a[NR]=$1} END {print (NR % 2 ? a[(NR+1)/2] : (a[NR/2] + a[NR/2+1]) / 2)}'; }
 mo=$(median "${ours[@]}"); mr=$(median "${ref[@]}")
-printf 'peak RSS  imgtrain %.0f MiB   timm %.0f MiB   ratio %.3f   (median of %d)\n' \
+printf 'peak RSS  imgtrain %.0f MiB   reference %.0f MiB   ratio %.3f   (median of %d)\n' \
   "$(awk -v a="$mo" 'BEGIN {print a / 1024}')" "$(awk -v a="$mr" 'BEGIN {print a / 1024}')" \
   "$(awk -v a="$mo" -v b="$mr" 'BEGIN {print a / b}')" "$runs"

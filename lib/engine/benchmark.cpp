@@ -6,6 +6,7 @@
 #include "engine/amp.h"
 #include "engine/commands.h"
 #include "engine/setup.h"
+#include "model_zoo/detection/rcnn.h"
 #include "model_zoo/registry.h"
 
 #include <nlohmann/json.hpp>
@@ -81,10 +82,117 @@ int benchmark_data(const cli::Config& cfg) {
   return 0;
 }
 
+// A detector: what GeneralizedRCNN runs after its transform (backbone, RPN, RoI heads), on a
+// batch of synthetic normalised --img-size images (512 unless given; torchvision's references have
+// no benchmark, bench/torchvision_detection.py times the same calls) with 4 random boxes (and
+// masks) per image; train: the loss dict summed, backward and an SGD step (lr 1e-4).
+int benchmark_detection(const cli::Config& cfg, torch::Device device) {
+  namespace det = model_zoo::detection;
+  if (cfg.nproc_per_node > 0 || std::getenv("WORLD_SIZE"))
+    throw UserError(fmt::format("--model {}: the detection benchmark runs in one process", cfg.model));
+  const Amp amp = resolve_amp(cfg.amp, cfg.amp_dtype, cfg.amp_opt_level);
+  const int64_t img = cfg.img_size.value_or(512), b = cfg.batch_size;
+  const int64_t padded = (img + 31) / 32 * 32;
+  det::RCNNOptions o;
+  o.num_classes = cfg.num_classes.value_or(91);
+  const auto d = det::rcnn_defaults(cfg.model);
+  o.rpn_pre_nms_top_n_test = d.rpn_pre_nms_top_n_test;
+  o.rpn_post_nms_top_n_test = d.rpn_post_nms_top_n_test;
+  o.rpn_score_thresh = d.rpn_score_thresh;
+  torch::manual_seed(uint64_t(cfg.seed));
+  det::ImageBatch batch;
+  batch.tensors = torch::zeros({b, 3, padded, padded});
+  batch.tensors.narrow(2, 0, img).narrow(3, 0, img).normal_();
+  std::vector<det::Target> targets;
+  const bool masks = det::rcnn_has_mask(cfg.model);
+  for (int64_t i = 0; i < b; ++i) {
+    batch.sizes.push_back({img, img});
+    const int64_t n = 4;
+    auto xy = torch::rand({n, 2}) * (0.6 * double(img)), wh = torch::rand({n, 2}) * (0.4 * double(img)) + 8;
+    det::Target t{torch::cat({xy, xy + wh}, 1), torch::randint(1, o.num_classes, {n}, torch::kLong), {}};
+    if (masks) {
+      t.masks = torch::zeros({n, img, img}, torch::kByte);
+      for (int64_t k = 0; k < n; ++k) {
+        auto bx = t.boxes[k].to(torch::kLong);
+        const int64_t x0 = bx[0].item<int64_t>(), y0 = bx[1].item<int64_t>();
+        const int64_t x1 = std::min(img, bx[2].item<int64_t>()), y1 = std::min(img, bx[3].item<int64_t>());
+        t.masks[k].narrow(0, y0, y1 - y0).narrow(1, x0, x1 - x0).fill_(1);
+      }
+    }
+    targets.push_back({t.boxes.to(device), t.labels.to(device), masks ? t.masks.to(device) : at::Tensor()});
+  }
+  batch.tensors = batch.tensors.to(device);
+  log::info("Benchmarking {} in {} precision.", cfg.model, amp.enabled ? "amp" : "float32");
+  nlohmann::ordered_json results;
+  results["model"] = cfg.model;
+  int64_t params = 0;
+  auto run = [&](bool train) {
+    torch::manual_seed(uint64_t(cfg.seed));
+    auto model = det::create_rcnn(cfg.model, o);
+    params = model_zoo::count_params(*model);
+    model->to(device);
+    std::unique_ptr<optim::Optimizer> opt;
+    if (train) {
+      model->train();
+      optim::OptimizerArgs oa;
+      oa.opt = cfg.opt;
+      oa.lr = 1e-4;
+      std::vector<std::pair<std::string, at::Tensor>> named;
+      for (auto& p : model->named_parameters())
+        if (p.value().requires_grad()) named.emplace_back(p.key(), p.value());
+      opt = optim::create_optimizer(oa, named);
+    } else {
+      model->eval();
+    }
+    log::info("Running {} benchmark on {} for {} steps w/ input size (3, {}, {}) and batch size {}.",
+              train ? "train" : "inference", cfg.model, cfg.num_bench_iter, img, img, b);
+    auto step = [&]() -> double {
+      if (train) opt->zero_grad(true);
+      const double t0 = now_s(device);
+      if (train) {
+        at::Tensor loss;
+        {
+          AutocastScope ac(amp.enabled, device.type(), amp.dtype);
+          auto res = model->forward(batch, &targets);
+          for (auto& [k, v] : res.losses) loss = loss.defined() ? loss + v : v;
+        }
+        loss.backward();
+        opt->step();
+      } else {
+        torch::NoGradGuard ng;
+        AutocastScope ac(amp.enabled, device.type(), amp.dtype);
+        model->forward(batch);
+      }
+      return now_s(device) - t0;
+    };
+    for (int64_t i = 0; i < cfg.num_warm_iter; ++i) step();
+    double total = 0;
+    const double start = now_s(device);
+    for (int64_t i = 0; i < cfg.num_bench_iter; ++i) {
+      total += step();
+      log::info("{} [{}/{}]. {:.3f} samples/sec. {:.1f} ms/step.", train ? "Train" : "Infer", i + 1,
+                cfg.num_bench_iter, double(b * (i + 1)) / total, 1000.0 * total / double(i + 1));
+    }
+    const double elapsed = now_s(device) - start;
+    const std::string prefix = train ? "train_" : "infer_";
+    results[prefix + "samples_per_sec"] = round_to(double(b * cfg.num_bench_iter) / elapsed, 3);
+    results[prefix + "step_time"] = round_to(1000.0 * total / double(cfg.num_bench_iter), 3);
+    results[prefix + "batch_size"] = b;
+    results[prefix + "img_size"] = img;
+  };
+  if (cfg.bench != "train") run(false);
+  if (cfg.bench != "inference") run(true);
+  results["param_count"] = round_to(double(params) / 1e6, 2);
+  std::printf("--result\n%s\n", results.dump(4).c_str());
+  write_results(cfg.results_file, cfg.results_format, results);
+  return 0;
+}
+
 }  // namespace
 
 int benchmark(const cli::Config& cfg) {
   if (cfg.bench == "data" || cfg.bench == "data-eval") return benchmark_data(cfg);
+  if (model_zoo::model_task(cfg.model) == "detection") return benchmark_detection(cfg, resolve_device(cfg.device));
   auto device = resolve_device(cfg.device);
   // Under a launcher the train benchmark is data parallel: each process steps its own batch and
   // the gradients are all-reduced as in training (the reported step time is rank 0's).

@@ -316,6 +316,17 @@ TEST_CASE("benchmark prints timm's fields and writes the results file", "[integr
   INFO(t.output);
   CHECK_THAT(t.output, Catch::Contains("\"infer_img_size\": 288") && !Catch::Contains("train_"));  // timm's test size
   expect_user_error(test::run(kBin + " benchmark --bench fast"), "inference, train, both");
+  // a detector: the same fields, its own parameter count
+  auto det = test::run(kBin + " benchmark --model fasterrcnn_mobilenet_v3_large_320_fpn -b 1 --img-size 96 " +
+                       "--num-warm-iter 0 --num-bench-iter 1 --device cpu --results-file " + (d / "det.json") +
+                       " --results-format json");
+  INFO(det.output);
+  REQUIRE(det.code == 0);
+  auto dj = nlohmann::json::parse(test::read_file(d / "det.json"));
+  CHECK(dj["param_count"] == 19.41);
+  CHECK(dj["train_img_size"] == 96);
+  CHECK(dj["infer_samples_per_sec"].get<double>() > 0);
+  CHECK(dj["train_samples_per_sec"].get<double>() > 0);
 }
 
 TEST_CASE("a ViT trains at a custom image size, and a size off the patch grid is refused", "[integration]") {
