@@ -345,7 +345,9 @@ std::vector<std::string> split_list(const std::string& s) {
 std::string integer_expectation(const Flag& f) {
   std::string what = f.check ? f.check(-1) : "an integer";
   auto p = what.find("number");
-  return p == std::string::npos ? what : what.replace(p, 6, "integer");
+  if (p != std::string::npos) what.replace(p, 6, "integer");
+  p = what.find("a integer");
+  return p == std::string::npos ? what : what.replace(p, 9, "an integer");
 }
 
 // Sets one flag from its text form. `where` is "--flag" or "key 'k' in FILE" for the message.
@@ -522,8 +524,10 @@ void apply_yaml(Config& c, Command cmd, const std::string& path) {
       throw UserError(fmt::format("{}: expected a value or a list", where));
     }
     // A file (an args.yaml written by imgtrain names every flag) sets a flag only where it
-    // departs from the default.
+    // departs from the default; `in_file` keeps that the file named it (a detection model's own
+    // defaults, the 320 MobileNetV3 detector's sizes, give way to a file's value too).
     if (!same_field(c, Config{}, *flag)) c.given.insert(flag->name);
+    c.in_file.insert(flag->name);
   }
 }
 
@@ -570,8 +574,10 @@ void check_schedule(Config& c, const std::set<std::string>& on_cli) {
     if (!c.was_given(a) || !c.was_given(b)) return;
     if (cli_wins && on_cli.count(a) && !on_cli.count(b)) return reset_flag(c, b);
     if (cli_wins && on_cli.count(b) && !on_cli.count(a)) return reset_flag(c, a);
-    throw UserError(fmt::format("--{} and --{} both set {}; give one of them{}", a, b, what,
-                                on_cli.count(a) == on_cli.count(b) ? "" : " (on the command line or in -c's file)"));
+    auto name = [&](const char* f) {
+      return fmt::format("--{}{}", f, on_cli.count(a) == on_cli.count(b) || on_cli.count(f) ? "" : " (from -c's file)");
+    };
+    throw UserError(fmt::format("{} and {} both set {}; give one of them", name(a), name(b), what));
   };
   if (on_cli.count("sched") && c.sched != "multistep" && c.was_given("lr-steps") && !on_cli.count("lr-steps"))
     reset_flag(c, "lr-steps");  // the command line's schedule replaces the file's milestones
@@ -594,6 +600,12 @@ void check_schedule(Config& c, const std::set<std::string>& on_cli) {
       throw UserError(fmt::format("--sched {} counts epochs; with --max-iter use multistep (--lr-steps), cosine, tanh "
                                   "or poly",
                                   c.sched));
+    if (c.ims_per_batch && c.nproc_per_node > 0 && *c.ims_per_batch % (c.nproc_per_node * c.nnodes))
+      throw UserError(fmt::format("--ims-per-batch {}: not a multiple of the {} processes", *c.ims_per_batch,
+                                  c.nproc_per_node * c.nnodes));
+    for (double m : c.lr_steps)
+      if (m >= double(*c.max_iter))
+        log::warn("--lr-steps {} is not below --max-iter {}: that decay never happens", m, *c.max_iter);
     if (c.lr_cycle_limit != 1 || c.lr_cycle_mul != 1.0)
       throw UserError("--lr-cycle-limit / --lr-cycle-mul: with --max-iter the schedule is one cycle of --max-iter updates");
   }

@@ -174,6 +174,7 @@ struct Config {
   // where it has no effect is an error rather than silently ignored.
   std::set<std::string> given;
   bool was_given(const std::string& flag) const { return given.count(flag) > 0; }
+  std::set<std::string> in_file;  // the flags the -c file names, at any value
 };
 
 enum class Command { Train, Validate, Benchmark };

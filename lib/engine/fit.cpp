@@ -165,7 +165,9 @@ ResumePoint resume(Run& r, const cli::Config& cfg, const std::string& path, Chec
 
 int fit(const cli::Config& given_cfg, torch::Device device, dist::Context* ctx) {
   const int64_t rank = ctx ? ctx->rank() : 0, world = ctx ? ctx->world() : 1;
-  cli::Config cfg = given_cfg;  // with what the world size decides; args.yaml keeps the flags as given
+  // with the model's own defaults and what the world size decides (args.yaml: not the latter)
+  const cli::Config model_cfg = tasks::with_model_defaults(given_cfg);
+  cli::Config cfg = model_cfg;
   if (cfg.ims_per_batch) {
     if (*cfg.ims_per_batch % world)
       throw UserError(fmt::format("--ims-per-batch {}: not a multiple of the {} processes", *cfg.ims_per_batch, world));
@@ -222,7 +224,7 @@ int fit(const cli::Config& given_cfg, torch::Device device, dist::Context* ctx) 
   optim::Scheduler& scheduler = *r.scheduler;
   const int64_t num_epochs = scheduler.num_epochs();
 
-  r.args_yaml = cli::to_yaml(cli::Command::Train, given_cfg);
+  r.args_yaml = cli::to_yaml(cli::Command::Train, model_cfg);
   const RunFolder run(cfg.output, cfg.experiment.empty() ? default_experiment(cfg.model, dc.img_size) : cfg.experiment,
                       r.args_yaml, primary);
   run.open_log();

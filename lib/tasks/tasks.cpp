@@ -231,21 +231,9 @@ std::vector<int64_t> to_sizes(const std::vector<double>& v) {
   return out;
 }
 
-// The model builder's own defaults (the 320 MobileNetV3 detector's sizes and RPN numbers) where
-// the user gave no flag for them.
-cli::Config with_model_defaults(const cli::Config& given, const std::string& arch) {
-  cli::Config cfg = given;
-  const auto d = model_zoo::detection::rcnn_defaults(arch);
-  if (!cfg.was_given("min-size")) cfg.min_size = {d.min_size};
-  if (!cfg.was_given("max-size")) cfg.max_size = d.max_size;
-  if (!cfg.was_given("rpn-pre-nms-top-n-test")) cfg.rpn_pre_nms_top_n_test = d.rpn_pre_nms_top_n_test;
-  if (!cfg.was_given("rpn-post-nms-top-n-test")) cfg.rpn_post_nms_top_n_test = d.rpn_post_nms_top_n_test;
-  if (!cfg.was_given("rpn-score-thresh")) cfg.rpn_score_thresh = d.rpn_score_thresh;
-  return cfg;
-}
 
 TaskSetup detection_setup(const cli::Config& given, int64_t rank, int64_t world) {
-  const cli::Config cfg = with_model_defaults(given, given.model);
+  const cli::Config cfg = with_model_defaults(given);
   TaskSetup s;
   if (cfg.in_chans && *cfg.in_chans != 3) throw UserError("--in-chans: detection models take 3-channel images");
   if (cfg.img_size) throw UserError("--img-size: detection models resize by --min-size / --max-size");
@@ -316,6 +304,20 @@ TaskSetup detection_validate_setup(const cli::Config& given, const engine::Check
 }
 
 }  // namespace
+
+cli::Config with_model_defaults(const cli::Config& given, const std::string& arch_or_empty) {
+  const std::string arch = arch_or_empty.empty() ? given.model : arch_or_empty;
+  if (model_zoo::model_task(arch) != "detection") return given;
+  cli::Config cfg = given;
+  const auto d = model_zoo::detection::rcnn_defaults(arch);
+  auto user = [&](const char* f) { return cfg.was_given(f) || cfg.in_file.count(f); };
+  if (!user("min-size")) cfg.min_size = {d.min_size};
+  if (!user("max-size")) cfg.max_size = d.max_size;
+  if (!user("rpn-pre-nms-top-n-test")) cfg.rpn_pre_nms_top_n_test = d.rpn_pre_nms_top_n_test;
+  if (!user("rpn-post-nms-top-n-test")) cfg.rpn_post_nms_top_n_test = d.rpn_post_nms_top_n_test;
+  if (!user("rpn-score-thresh")) cfg.rpn_score_thresh = d.rpn_score_thresh;
+  return cfg;
+}
 
 TaskSetup create_validate_task(const cli::Config& cfg, const engine::CheckpointMeta* meta) {
   std::string arch = cfg.model;

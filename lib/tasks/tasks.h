@@ -31,6 +31,11 @@ struct TaskSetup {
 // model is built, so that user errors stay one line.
 TaskSetup create_train_task(const cli::Config& cfg, int64_t rank, int64_t world);
 
+// A detection model builder's own defaults (the 320 MobileNetV3 detector's sizes and RPN numbers)
+// where neither the command line nor the -c file set them; `arch` "" = cfg.model. Other models:
+// the config as it is. fit writes args.yaml from this, so it records what the run used.
+cli::Config with_model_defaults(const cli::Config& cfg, const std::string& arch = "");
+
 // For `imgtrain validate`: the model described by the flags, completed from the checkpoint's
 // metadata (`meta`, null without --checkpoint) as timm's validate.py does from its arguments;
 // only the evaluation split and transform are set.

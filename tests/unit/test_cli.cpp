@@ -4,6 +4,7 @@
 #include "core/registry.h"
 #include "dist/env.h"
 #include "optim/optim.h"
+#include "tasks/tasks.h"
 #include "test_util.h"
 
 #include <catch2/catch.hpp>
@@ -491,7 +492,8 @@ TEST_CASE("Detectron2 keys imgtrain cannot honour are refused by name", "[cli][d
   CHECK_THAT(error_of({"-c", f}), Catch::Contains("--pretrained-path 'detectron2://ImageNetPretrained/MSRA/R-101.pkl'") &&
                                       Catch::Contains("torchvision's weights"));
   CHECK(error_of({"-c", f, "--pretrained-path", "r.pth", "--epochs", "12"}) ==
-        "--max-iter and --epochs both set the training length; give one of them (on the command line or in -c's file)");
+        "--max-iter (from -c's file) and --epochs both set the training length; give one of them");
+  CHECK(error_of({"--warmup-iters", "-1"}) == "--warmup-iters '-1': expected an integer >= 0");
   auto one = [&](const std::string& yaml) {
     test::write_file(d / "x.yaml", yaml);
     return error_of({"-c", (d / "x.yaml")});
@@ -530,4 +532,18 @@ TEST_CASE("the detection recipes parse: torchvision's, Detectron2's R101 3x, and
   CHECK(imgtrain::cli::to_yaml(Command::Train, o2) == imgtrain::cli::to_yaml(Command::Train, d2));
   auto cpu = train({"-c", dir + "maskrcnn_resnet18_fpn_cpu.yaml"});
   CHECK(cpu.model == "maskrcnn_resnet18_fpn");
+}
+
+TEST_CASE("a detector's own defaults apply unless the command line or the -c file sets them", "[cli][detectron2]") {
+  test::TempDir d("mdef");
+  test::write_file(d / "c.yaml", "rpn_pre_nms_top_n_test: 1000\nmin_size: [800]\n");
+  auto c = imgtrain::tasks::with_model_defaults(
+      train({"-c", d / "c.yaml", "--model", "fasterrcnn_mobilenet_v3_large_320_fpn", "--rpn-score-thresh", "0"}));
+  CHECK(c.min_size == std::vector<double>{800});  // the file's, though it is the generic default
+  CHECK(c.rpn_pre_nms_top_n_test == 1000);
+  CHECK(c.rpn_score_thresh == 0);                 // the command line's
+  CHECK(c.max_size == 640);                       // the builder's
+  CHECK(c.rpn_post_nms_top_n_test == 150);
+  auto r = imgtrain::tasks::with_model_defaults(train({"--model", "resnet18"}));
+  CHECK(r.min_size == std::vector<double>{800});  // not a detector: as given
 }
