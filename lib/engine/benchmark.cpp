@@ -15,6 +15,7 @@
 #include <chrono>
 #include <cmath>
 #include <fstream>
+#include <functional>
 
 namespace imgtrain::engine {
 namespace {
@@ -24,6 +25,42 @@ using Clock = std::chrono::steady_clock;
 double now_s(torch::Device dev) {
   if (dev.is_cuda()) torch::cuda::synchronize(dev.index());
   return std::chrono::duration<double>(Clock::now().time_since_epoch()).count();
+}
+
+// benchmark.py's optimizer: create_optimizer_v2(model, opt, lr=1e-4), no weight decay, over the
+// parameters that train.
+std::unique_ptr<optim::Optimizer> bench_optimizer(torch::nn::Module& model, const std::string& opt) {
+  optim::OptimizerArgs oa;
+  oa.opt = opt;
+  oa.lr = 1e-4;
+  std::vector<std::pair<std::string, at::Tensor>> named;
+  for (auto& p : model.named_parameters())
+    if (p.value().requires_grad()) named.emplace_back(p.key(), p.value());
+  return optim::create_optimizer(oa, named);
+}
+
+// benchmark.py's timing: --num-warm-iter steps, then --num-bench-iter timed ones (logged five
+// times), and its fields under infer_ / train_ (samples/s rounded to `digits`).
+void time_steps(const std::function<double()>& step, const cli::Config& cfg, torch::Device device, bool train,
+                int64_t b, int64_t img, int digits, nlohmann::ordered_json& results) {
+  for (int64_t i = 0; i < cfg.num_warm_iter; ++i) step();
+  double total = 0;
+  int64_t samples = 0;
+  const int64_t log_freq = std::max<int64_t>(1, cfg.num_bench_iter / 5);
+  const double start = now_s(device);
+  for (int64_t i = 0; i < cfg.num_bench_iter; ++i) {
+    total += step();
+    samples += b;
+    if ((i + 1) % log_freq == 0)
+      log::info("{} [{}/{}]. {:.3f} samples/sec. {:.3f} ms/step.", train ? "Train" : "Infer", i + 1,
+                cfg.num_bench_iter, double(samples) / total, 1000.0 * total / double(i + 1));
+  }
+  const double elapsed = now_s(device) - start;
+  const std::string prefix = train ? "train_" : "infer_";
+  results[prefix + "samples_per_sec"] = round_to(double(samples) / elapsed, digits);
+  results[prefix + "step_time"] = round_to(1000.0 * total / double(cfg.num_bench_iter), 3);
+  results[prefix + "batch_size"] = b;
+  results[prefix + "img_size"] = img;
 }
 
 // --bench data: the input pipeline alone (decode, RandomResizedCrop + flip, collation into uint8
@@ -131,19 +168,8 @@ int benchmark_detection(const cli::Config& cfg, torch::Device device) {
     auto model = det::create_rcnn(cfg.model, o);
     params = model_zoo::count_params(*model);
     model->to(device);
-    std::unique_ptr<optim::Optimizer> opt;
-    if (train) {
-      model->train();
-      optim::OptimizerArgs oa;
-      oa.opt = cfg.opt;
-      oa.lr = 1e-4;
-      std::vector<std::pair<std::string, at::Tensor>> named;
-      for (auto& p : model->named_parameters())
-        if (p.value().requires_grad()) named.emplace_back(p.key(), p.value());
-      opt = optim::create_optimizer(oa, named);
-    } else {
-      model->eval();
-    }
+    model->train(train);
+    auto opt = train ? bench_optimizer(*model, cfg.opt) : nullptr;
     log::info("Running {} benchmark on {} for {} steps w/ input size (3, {}, {}) and batch size {}.",
               train ? "train" : "inference", cfg.model, cfg.num_bench_iter, img, img, b);
     auto step = [&]() -> double {
@@ -165,20 +191,7 @@ int benchmark_detection(const cli::Config& cfg, torch::Device device) {
       }
       return now_s(device) - t0;
     };
-    for (int64_t i = 0; i < cfg.num_warm_iter; ++i) step();
-    double total = 0;
-    const double start = now_s(device);
-    for (int64_t i = 0; i < cfg.num_bench_iter; ++i) {
-      total += step();
-      log::info("{} [{}/{}]. {:.3f} samples/sec. {:.1f} ms/step.", train ? "Train" : "Infer", i + 1,
-                cfg.num_bench_iter, double(b * (i + 1)) / total, 1000.0 * total / double(i + 1));
-    }
-    const double elapsed = now_s(device) - start;
-    const std::string prefix = train ? "train_" : "infer_";
-    results[prefix + "samples_per_sec"] = round_to(double(b * cfg.num_bench_iter) / elapsed, 3);
-    results[prefix + "step_time"] = round_to(1000.0 * total / double(cfg.num_bench_iter), 3);
-    results[prefix + "batch_size"] = b;
-    results[prefix + "img_size"] = img;
+    time_steps(step, cfg, device, train, b, img, 3, results);  // a detector is slow: one more digit
   };
   if (cfg.bench != "train") run(false);
   if (cfg.bench != "inference") run(true);
@@ -227,18 +240,8 @@ int benchmark(const cli::Config& cfg) {
     }
     auto x = torch::randn({b, margs.in_chans, img, img}, torch::TensorOptions().device(device));
     if (cfg.channels_last) x = x.contiguous(at::MemoryFormat::ChannelsLast);
-    std::unique_ptr<optim::Optimizer> opt;
-    if (train) {
-      model->train();
-      optim::OptimizerArgs oa;  // benchmark.py: create_optimizer_v2(model, opt, lr=1e-4), no weight decay
-      oa.opt = cfg.opt;
-      oa.lr = 1e-4;
-      std::vector<std::pair<std::string, at::Tensor>> named;
-      for (auto& p : model->named_parameters()) named.emplace_back(p.key(), p.value());
-      opt = optim::create_optimizer(oa, named);
-    } else {
-      model->eval();
-    }
+    model->train(train);
+    auto opt = train ? bench_optimizer(*model, cfg.opt) : nullptr;
     const char* what = train ? "train" : "inference";
     log::info("Running {} benchmark on {} for {} steps w/ input size ({}, {}, {}) and batch size {}.", what,
               cfg.model, cfg.num_bench_iter, margs.in_chans, img, img, b);
@@ -265,24 +268,7 @@ int benchmark(const cli::Config& cfg) {
       }
       return now_s(device) - t0;
     };
-    for (int64_t i = 0; i < cfg.num_warm_iter; ++i) step();
-    double total = 0;
-    int64_t samples = 0;
-    const int64_t log_freq = std::max<int64_t>(1, cfg.num_bench_iter / 5);
-    const double start = now_s(device);
-    for (int64_t i = 0; i < cfg.num_bench_iter; ++i) {
-      total += step();
-      samples += b;
-      if ((i + 1) % log_freq == 0)
-        log::info("{} [{}/{}]. {:.2f} samples/sec. {:.3f} ms/step.", train ? "Train" : "Infer", i + 1,
-                  cfg.num_bench_iter, double(samples) / total, 1000.0 * total / double(i + 1));
-    }
-    const double elapsed = now_s(device) - start;
-    const std::string prefix = train ? "train_" : "infer_";
-    results[prefix + "samples_per_sec"] = round_to(double(samples) / elapsed, 2);
-    results[prefix + "step_time"] = round_to(1000.0 * total / double(cfg.num_bench_iter), 3);
-    results[prefix + "batch_size"] = b;
-    results[prefix + "img_size"] = img;
+    time_steps(step, cfg, device, train, b, img, 2, results);
     if (sync) {
       // The same bytes as the gradients in one plain all-reduce, for comparison with the step's
       // exposed communication time (median of 5).
