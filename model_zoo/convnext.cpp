@@ -59,7 +59,7 @@ class ConvNeXtImpl : public ClassifierImpl {
  public:
   ConvNeXtImpl(const ConvNeXtSpec& s, const ModelArgs& a) : num_classes_(a.num_classes), drop_rate_(a.drop_rate) {
     // timm's NormMlpClassifierHead normalises num_features channels, so no catavgmax
-    pool_ = resolve_global_pool(s.name, a.global_pool, "avg", {"avg", "max", "avgmax"});
+    pool_ = resolve_global_pool(s.name, a.global_pool, "avg", {"avg", "max", "avgmax"}, a.global_pool_from);
     stem_ = register_module("stem", torch::nn::Sequential());
     stem_->push_back("0", torch::nn::Conv2d(torch::nn::Conv2dOptions(a.in_chans, s.dims[0], 4).stride(4)));
     stem_->push_back("1", LayerNorm2d(s.dims[0]));

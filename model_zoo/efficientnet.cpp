@@ -217,7 +217,7 @@ class EfficientNetImpl : public ClassifierImpl {
  public:
   EfficientNetImpl(const EffSpec& s, const ModelArgs& a)
       : family_(s.family), num_classes_(a.num_classes), drop_rate_(a.drop_rate) {
-    pool_ = resolve_global_pool(s.name, a.global_pool, "avg", {"avg", "max", "avgmax", "catavgmax"});
+    pool_ = resolve_global_pool(s.name, a.global_pool, "avg", {"avg", "max", "avgmax", "catavgmax"}, a.global_pool_from);
     const bool mnv3 = s.family == Family::MobileNetV3;
     const std::string pad = s.tf ? "same" : "";
     const double eps = s.tf ? 1e-3 : 1e-5;

@@ -109,7 +109,7 @@ struct BottleneckImpl : BlockImpl {
 class ResNetImpl : public ClassifierImpl {
  public:
   ResNetImpl(const ResNetSpec& spec, const ModelArgs& a) : num_classes_(a.num_classes), drop_rate_(a.drop_rate) {
-    pool_ = resolve_global_pool(spec.name, a.global_pool, "avg", {"avg", "max", "avgmax", "catavgmax"});
+    pool_ = resolve_global_pool(spec.name, a.global_pool, "avg", {"avg", "max", "avgmax", "catavgmax"}, a.global_pool_from);
     const int64_t stem_width = 32;
     int64_t inplanes = spec.deep_stem ? stem_width * 2 : 64;
     if (spec.deep_stem) {

@@ -92,7 +92,7 @@ class VisionTransformerImpl : public ClassifierImpl {
  public:
   VisionTransformerImpl(const VitSpec& s, const ModelArgs& a)
       : spec_(s), num_classes_(a.num_classes), drop_rate_(a.drop_rate) {
-    pool_ = resolve_global_pool(s.name, a.global_pool, "token", {"token", "avg"});
+    pool_ = resolve_global_pool(s.name, a.global_pool, "token", {"token", "avg"}, a.global_pool_from);
     img_size_ = a.img_size > 0 ? a.img_size : 224;
     if (img_size_ % s.patch)
       throw UserError(fmt::format("--img-size {}: {} needs a multiple of its patch size {}", img_size_, s.name, s.patch));

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs everything imgtrain needs on a fresh Debian machine; quiet and quick when nothing is missing.
 #   scripts/setup.sh          build dependencies (Debian packages, LibTorch from the torch wheel)
-#   scripts/setup.sh --test   also the Python reference tools of requirements-test.txt
+#   scripts/setup.sh --test   also the Python reference tools of requirements-test.txt and clang
+#                             with libFuzzer (the smoke fuzz run, scripts/fuzz.sh)
 # The venv lives outside the clone, keyed by the hash of requirements-build.txt, and ./.venv points
 # at it, so a fresh clone (CI) reuses a venv that an earlier clone already installed.
 set -euo pipefail
@@ -13,6 +14,7 @@ debs=(build-essential cmake pkg-config ccache python3-venv
       libopencv-core-dev libopencv-imgproc-dev libopencv-imgcodecs-dev libturbojpeg0-dev libjpeg62-turbo-dev libgif-dev
       libyaml-cpp-dev libcxxopts-dev libfmt-dev nlohmann-json3-dev catch2 zlib1g-dev libgloo-dev
       iproute2 dataset-fashion-mnist)
+((want_test)) && debs+=(clang libclang-rt-dev)
 missing=()
 for p in "${debs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -3,6 +3,7 @@
 #include "cli/config.h"
 #include "core/error.h"
 #include "data/coco_detection.h"
+#include "data/dataset.h"
 #include "data/shards.h"
 #include "dist/launcher.h"
 #include "engine/checkpoint.h"
@@ -67,6 +68,7 @@ std::optional<cxxopts::ParseResult> parse_command(cxxopts::Options& opts, const 
 int train(const std::vector<std::string>& args) {
   auto cfg = cli::parse(cli::Command::Train, args);
   if (!cfg) return 0;
+  data::set_max_image_pixels(cfg->max_image_pixels);
   if (auto rc = launch_workers(*cfg, "train", args)) return *rc;
   return engine::train(*cfg);
 }
@@ -74,13 +76,16 @@ int train(const std::vector<std::string>& args) {
 int benchmark(const std::vector<std::string>& args) {
   auto cfg = cli::parse(cli::Command::Benchmark, args);
   if (!cfg) return 0;
+  data::set_max_image_pixels(cfg->max_image_pixels);
   if (auto rc = launch_workers(*cfg, "benchmark", args)) return *rc;
   return engine::benchmark(*cfg);
 }
 
 int validate(const std::vector<std::string>& args) {
   auto cfg = cli::parse(cli::Command::Validate, args);
-  return cfg ? engine::validate(*cfg) : 0;
+  if (!cfg) return 0;
+  data::set_max_image_pixels(cfg->max_image_pixels);
+  return engine::validate(*cfg);
 }
 
 int models(const std::vector<std::string>& args) {
@@ -141,6 +146,7 @@ int export_weights(const std::vector<std::string>& args) {
     if (m.in_chans) margs.in_chans = *m.in_chans;
     if (m.img_size) margs.img_size = *m.img_size;
     if (m.global_pool) margs.global_pool = *m.global_pool;
+    margs.global_pool_from = fmt::format("'{}': metadata 'global_pool'", ckpt);
     auto model = model_zoo::create_module(m.arch, margs);
     ck.load_prefixed(*model, prefix);
   }

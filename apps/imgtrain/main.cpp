@@ -6,6 +6,7 @@
 
 #include <c10/util/Exception.h>
 #include <malloc.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -69,7 +70,13 @@ int main(int argc, char** argv) {
                  cmd.c_str());
     return 2;
   } catch (const imgtrain::UserError& e) {
-    std::fprintf(stderr, "imgtrain: error: %s\n", e.what());
+    const std::string line = std::string("imgtrain: error: ") + e.what() + "\n";
+    // A worker of imgtrain's own launcher hands the line to it (one line for all workers).
+    if (const char* fd = std::getenv("IMGTRAIN_ERROR_FD"); fd && line.size() <= 4096) {
+      const int n = std::atoi(fd);
+      if (n > 2 && write(n, line.data(), line.size()) == ssize_t(line.size())) return 2;
+    }
+    std::fputs(line.c_str(), stderr);
     return 2;
   } catch (const imgtrain::dist::PeerLost& e) {
     std::fprintf(stderr, "imgtrain: error: %s\n", e.what());

@@ -44,6 +44,15 @@ std::string non_negative(double v) { return v >= 0 ? "" : "a number >= 0"; }
 std::string probability(double v) { return v >= 0 && v <= 1 ? "" : "a number in [0, 1]"; }
 std::string crop_range(double v) { return v > 0 && v <= 1 ? "" : "a number in (0, 1]"; }
 std::string smoothing_range(double v) { return v >= 0 && v < 1 ? "" : "a number in [0, 1)"; }
+// Limits that keep a typo from becoming an allocation of terabytes or a hundred thousand threads;
+// each is far beyond what a real run uses.
+std::string image_side(double v) { return v >= 1 && v <= 8192 ? "" : "an integer in [1, 8192]"; }
+std::string class_count(double v) { return v >= 1 && v <= 1e6 ? "" : "an integer in [1, 1000000]"; }
+std::string channel_count(double v) { return v == 1 || v == 3 ? "" : "1 (grayscale) or 3 (RGB)"; }
+std::string thread_count(double v) { return v >= 0 && v <= 512 ? "" : "an integer in [0, 512]"; }
+std::string epoch_count(double v) { return v >= 1 && v <= 1e6 ? "" : "an integer in [1, 1000000]"; }
+std::string epoch_index(double v) { return v >= 0 && v < 1e6 ? "" : "an integer in [0, 999999]"; }
+std::string batch_count(double v) { return v >= 1 && v <= 65536 ? "" : "an integer in [1, 65536]"; }
 
 const std::vector<Flag>& flags() {
   static const std::vector<Flag> f = {
@@ -58,11 +67,11 @@ const std::vector<Flag>& flags() {
       {"checkpoint", "", &Config::checkpoint, "Checkpoint to validate", VALIDATE},
       {"use-ema", "", &Config::use_ema, "Validate the EMA weights of the checkpoint", VALIDATE},
       {"num-classes", "", &Config::num_classes, "Number of label classes (default: from the dataset)", ALL, {},
-       positive},
-      {"img-size", "", &Config::img_size, "Image size (default: the model's)", ALL, {}, positive},
+       class_count},
+      {"img-size", "", &Config::img_size, "Image size (default: the model's)", ALL, {}, image_side},
       {"gp", "", &Config::gp, "Global pool type: avg, max, avgmax, catavgmax (ViT: token, avg); model default if unset",
        ALL, {"", "avg", "max", "avgmax", "catavgmax", "token"}},
-      {"in-chans", "", &Config::in_chans, "Image input channels (default: 3; 1 for grayscale)", ALL, {}, positive},
+      {"in-chans", "", &Config::in_chans, "Image input channels (default: 3; 1 for grayscale)", ALL, {}, channel_count},
       {"crop-pct", "", &Config::crop_pct, "Eval center crop fraction (default: the model's)", BOTH | BENCH, {}, crop_range},
       {"interpolation", "", &Config::interpolation, "Eval interpolation (default: the model's)", BOTH | BENCH,
        {"", "nearest", "bilinear", "bicubic", "box", "hamming", "lanczos"}},
@@ -71,9 +80,9 @@ const std::vector<Flag>& flags() {
       {"fast-decode", "", &Config::fast_decode,
        "Eval: decode large JPEGs at 1/2, 1/4 or 1/8 scale before the resize (faster; pixels differ from timm's)",
        BOTH | BENCH},
-      {"batch-size", "b", &Config::batch_size, "Input batch size per process", ALL, {}, positive},
+      {"batch-size", "b", &Config::batch_size, "Input batch size per process", ALL, {}, batch_count},
       {"validation-batch-size", "-vb", &Config::validation_batch_size,
-       "Validation batch size (default: --batch-size)", TRAIN, {}, positive},
+       "Validation batch size (default: --batch-size)", TRAIN, {}, batch_count},
       {"device", "", &Config::device, "Device: auto (cuda when available), cpu, cuda, cuda:N", ALL},
       {"amp", "", &Config::amp, "Mixed precision: autocast to --amp-dtype (with a loss scaler for float16)", ALL},
       {"amp-dtype", "", &Config::amp_dtype, "Autocast dtype", ALL, {"float16", "bfloat16"}},
@@ -116,8 +125,8 @@ const std::vector<Flag>& flags() {
        {"", "linear", "sqrt"}},
       {"warmup-lr", "", &Config::warmup_lr, "Warmup learning rate", TRAIN, {}, non_negative},
       {"min-lr", "", &Config::min_lr, "Lower lr bound for cyclic schedulers", TRAIN, {}, non_negative},
-      {"epochs", "", &Config::epochs, "Number of epochs to train", TRAIN, {}, positive},
-      {"start-epoch", "", &Config::start_epoch, "Manual epoch number (useful on restarts)", TRAIN, {}, non_negative},
+      {"epochs", "", &Config::epochs, "Number of epochs to train", TRAIN, {}, epoch_count},
+      {"start-epoch", "", &Config::start_epoch, "Manual epoch number (useful on restarts)", TRAIN, {}, epoch_index},
       {"decay-epochs", "", &Config::decay_epochs, "Epoch interval to decay LR (step)", TRAIN, {}, positive},
       {"decay-milestones", "", &Config::decay_milestones, "Epochs at which to decay LR (multistep)", TRAIN, {},
        non_negative, 0},
@@ -193,7 +202,10 @@ const std::vector<Flag>& flags() {
       {"train-split", "", &Config::train_split, "Training split folder", TRAIN | BENCH},
       {"val-split", "", &Config::val_split, "Validation split folder", TRAIN},
       {"split", "", &Config::split, "Split to validate", VALIDATE},
-      {"workers", "j", &Config::workers, "Loader threads", BOTH | BENCH, {}, non_negative},
+      {"workers", "j", &Config::workers, "Loader threads", BOTH | BENCH, {}, thread_count},
+      {"max-image-pixels", "", &Config::max_image_pixels,
+       "Images with more pixels are skipped as decompression bombs (PIL's limit; 0: no limit)", BOTH | BENCH, {},
+       non_negative},
       {"pin-mem", "", &Config::pin_mem, "Pin host memory of batches (CUDA)", BOTH},
       // misc
       {"seed", "", &Config::seed, "Random seed", TRAIN, {}, non_negative},
@@ -458,15 +470,11 @@ bool same_field(const Config& a, const Config& b, const Flag& f) {
 }
 
 void apply_yaml(Config& c, Command cmd, const std::string& path) {
-  YAML::Node root;
-  try {
-    root = YAML::LoadFile(path);
-  } catch (const YAML::BadFile&) {
-    throw UserError(fmt::format("--config '{}': cannot read the file", path));
-  } catch (const YAML::Exception& e) {
-    throw UserError(fmt::format("--config '{}': not valid YAML ({})", path, e.msg));
+  const YAML::Node root = load_yaml_file(path, "--config");
+  if (root.IsNull()) {
+    log::warn("--config '{}' holds no settings (an empty file)", path);
+    return;
   }
-  if (root.IsNull()) return;
   if (!root.IsMap()) throw UserError(fmt::format("--config '{}': expected a mapping of flag names to values", path));
   const unsigned bit = command_bit(cmd);
   if (is_detectron2_config(root)) {
@@ -516,7 +524,10 @@ void apply_yaml(Config& c, Command cmd, const std::string& path) {
       clear_optional(c, *flag);
     } else if (v.IsSequence()) {
       std::string joined;
-      for (auto e : v) joined += (joined.empty() ? "" : ",") + e.as<std::string>();
+      for (auto e : v) {
+        if (!e.IsScalar()) throw UserError(fmt::format("{}: expected a list of values, not of lists or mappings", where));
+        joined += (joined.empty() ? "" : ",") + e.as<std::string>();
+      }
       assign(c, *flag, joined, where);
     } else if (v.IsScalar()) {
       assign(c, *flag, v.as<std::string>(), where);

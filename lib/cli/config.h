@@ -113,6 +113,7 @@ struct Config {
   std::string val_split = "validation";
   std::string split = "validation";  // validate
   int64_t workers = 4;
+  int64_t max_image_pixels = 2 * 89478485;  // PIL's decompression-bomb limit (2 x Image.MAX_IMAGE_PIXELS)
   bool pin_mem = false;
   // misc
   int64_t seed = 42;

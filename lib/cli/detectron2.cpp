@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <map>
 #include <optional>
@@ -128,14 +129,7 @@ void load(const std::string& path, const YAML::Node& root, std::map<std::string,
     if (!base.IsScalar()) throw UserError(fmt::format("--config '{}': _BASE_ must name one file", path));
     fs::path bp = base.as<std::string>();
     if (bp.is_relative()) bp = fs::path(path).parent_path() / bp;
-    YAML::Node broot;
-    try {
-      broot = YAML::LoadFile(bp.string());
-    } catch (const YAML::BadFile&) {
-      throw UserError(fmt::format("--config '{}': cannot read its _BASE_ '{}'", path, bp.string()));
-    } catch (const YAML::Exception& e) {
-      throw UserError(fmt::format("--config '{}': its _BASE_ '{}' is not valid YAML ({})", path, bp.string(), e.msg));
-    }
+    const YAML::Node broot = load_yaml_file(bp.string(), fmt::format("--config '{}': its _BASE_", path));
     load(bp.string(), broot, out, from, depth + 1);
   }
   YAML::Node rest = YAML::Clone(root);
@@ -225,6 +219,42 @@ struct Mapper {
 };
 
 }  // namespace
+
+namespace {
+// Keys at any depth must be plain names (a list or a mapping as a key is valid YAML).
+void check_keys(const YAML::Node& n, const std::string& path, const std::string& what, int depth) {
+  if (depth > 64) throw UserError(fmt::format("{} '{}': nested more than 64 levels deep", what, path));
+  if (n.IsMap()) {
+    for (auto it : n) {
+      if (!it.first.IsScalar())
+        throw UserError(fmt::format("{} '{}': line {}: a key must be a name, not a list or a mapping", what, path,
+                                    it.first.Mark().line + 1));
+      check_keys(it.second, path, what, depth + 1);
+    }
+  } else if (n.IsSequence()) {
+    for (auto e : n) check_keys(e, path, what, depth + 1);
+  }
+}
+}  // namespace
+
+YAML::Node load_yaml_file(const std::string& path, const std::string& what) {
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) throw UserError(fmt::format("{} '{}': a folder, not a file", what, path));
+  std::ifstream f(path, std::ios::binary);
+  if (!f) throw UserError(fmt::format("{} '{}': cannot read the file", what, path));
+  std::vector<YAML::Node> docs;
+  try {
+    docs = YAML::LoadAll(f);
+  } catch (const YAML::Exception& e) {
+    throw UserError(fmt::format("{} '{}': not valid YAML ({})", what, path, e.what()));
+  }
+  if (docs.size() > 1)
+    throw UserError(fmt::format("{} '{}': holds {} YAML documents ('---' separators); one config per file is read",
+                                what, path, docs.size()));
+  YAML::Node root = docs.empty() ? YAML::Node() : docs[0];
+  check_keys(root, path, what, 0);
+  return root;
+}
 
 bool is_detectron2_config(const YAML::Node& root) {
   if (!root.IsMap()) return false;

@@ -19,6 +19,11 @@ struct Detectron2Setting {
   std::string key;    // the Detectron2 key it comes from ("default" when from Detectron2's defaults)
 };
 
+// A config file (imgtrain's / timm's args.yaml or Detectron2's) read as one YAML document, for both
+// readers: `what` names it in the one-line UserError for a folder, an unreadable file, invalid
+// YAML, more than one document (only one would be read) or a key that is not a plain name.
+YAML::Node load_yaml_file(const std::string& path, const std::string& what);
+
 // Whether a config's top level is Detectron2's (MODEL, SOLVER, INPUT, ... or _BASE_).
 bool is_detectron2_config(const YAML::Node& root);
 

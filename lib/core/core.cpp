@@ -43,7 +43,9 @@ static size_t edit_distance(const std::string& a, const std::string& b) {
 std::vector<std::string> closest_names(const std::string& name, const std::vector<std::string>& names,
                                        size_t n) {
   std::vector<std::pair<size_t, std::string>> scored;
-  for (auto& c : names) scored.emplace_back(edit_distance(name, c), c);
+  // a typo is short; a 10,000-character "name" (a pasted file) is scored by its start
+  const std::string head = name.substr(0, 64);
+  for (auto& c : names) scored.emplace_back(edit_distance(head, c), c);
   std::sort(scored.begin(), scored.end());
   std::vector<std::string> out;
   for (size_t i = 0; i < scored.size() && i < n; ++i) out.push_back(scored[i].second);

@@ -32,6 +32,9 @@ struct ModelArgs {
   double drop_rate = 0.0;
   double drop_path_rate = 0.0;
   std::string global_pool;  // timm's --gp: "" = the model's default (avg for CNNs, token for ViT)
+  // Where global_pool came from, for the message when the model does not support it: the flag, or
+  // a checkpoint's metadata the user never typed.
+  std::string global_pool_from = "--gp";
   int64_t img_size = 0;  // for models whose shapes depend on it (ViT position embeddings); 0 = default
 };
 

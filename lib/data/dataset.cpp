@@ -27,6 +27,7 @@
 #include <chrono>
 #include <optional>
 #include <set>
+#include <atomic>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -37,36 +38,52 @@ namespace imgtrain::data {
 IdxArray read_idx(const std::string& path) {
   gzFile f = gzopen(path.c_str(), "rb");
   if (!f) throw UserError(fmt::format("cannot open IDX file '{}'", path));
+  std::unique_ptr<gzFile_s, int (*)(gzFile)> closer(f, gzclose);
+  // Reads up to n more bytes; what the header declares bounds what is read, so a small file that
+  // inflates without end (a gzip bomb) costs no more than the array it claims to hold.
+  auto read = [&](std::string& out, size_t n) {
+    char buf[1 << 16];
+    while (n > 0) {
+      const int got = gzread(f, buf, unsigned(std::min(n, sizeof buf)));
+      if (got < 0) {
+        int err = 0;
+        const char* msg = gzerror(f, &err);
+        throw UserError(fmt::format("IDX file '{}' is corrupt or truncated ({})", path, msg));
+      }
+      if (got == 0) return;
+      out.append(buf, size_t(got));
+      n -= size_t(got);
+    }
+  };
   std::string bytes;
-  char buf[1 << 16];
-  int n;
-  while ((n = gzread(f, buf, sizeof buf)) > 0) bytes.append(buf, size_t(n));
-  int err = 0;
-  const char* msg = gzerror(f, &err);
-  bool broken = n < 0 || (err != Z_OK && err != Z_STREAM_END);
-  std::string why = broken ? msg : "";
-  gzclose(f);
-  if (broken) throw UserError(fmt::format("IDX file '{}' is corrupt or truncated ({})", path, why));
+  read(bytes, 4);
   if (bytes.size() < 4 || bytes[0] != 0 || bytes[1] != 0)
     throw UserError(fmt::format("'{}' is not an IDX file (wrong magic number)", path));
   if (uint8_t(bytes[2]) != 0x08)
     throw UserError(fmt::format("IDX file '{}' has element type 0x{:02x}; only unsigned bytes (0x08) are supported",
                                 path, uint8_t(bytes[2])));
   IdxArray a;
-  size_t ndim = uint8_t(bytes[3]);
+  const size_t ndim = uint8_t(bytes[3]);
+  read(bytes, 4 * ndim);
   if (ndim == 0 || bytes.size() < 4 + 4 * ndim)
     throw UserError(fmt::format("IDX file '{}' is truncated in its header", path));
-  size_t total = 1;
+  // Fashion-MNIST's training images are 47 MB; 16 GiB is far beyond any IDX dataset.
+  constexpr uint64_t kMaxBytes = uint64_t(1) << 34;
+  uint64_t total = 1;
   for (size_t d = 0; d < ndim; ++d) {
     const auto* p = reinterpret_cast<const uint8_t*>(bytes.data() + 4 + 4 * d);
-    int64_t v = (int64_t(p[0]) << 24) | (p[1] << 16) | (p[2] << 8) | p[3];
-    a.dims.push_back(v);
-    total *= size_t(v);
+    const uint64_t v = (uint64_t(p[0]) << 24) | (uint64_t(p[1]) << 16) | (uint64_t(p[2]) << 8) | p[3];
+    if (v == 0) throw UserError(fmt::format("IDX file '{}': dimension {} is 0 (an empty array)", path, d));
+    if (v > kMaxBytes / total)
+      throw UserError(fmt::format("IDX file '{}': its dimensions declare more than {} bytes", path, kMaxBytes));
+    a.dims.push_back(int64_t(v));
+    total *= v;
   }
-  size_t off = 4 + 4 * ndim;
-  if (bytes.size() - off < total)
-    throw UserError(fmt::format("IDX file '{}' is truncated: {} of {} data bytes", path, bytes.size() - off, total));
-  a.data.assign(bytes.begin() + long(off), bytes.begin() + long(off + total));
+  bytes.clear();
+  read(bytes, size_t(total));
+  if (bytes.size() < total)
+    throw UserError(fmt::format("IDX file '{}' is truncated: {} of {} data bytes", path, bytes.size(), total));
+  a.data.assign(bytes.begin(), bytes.end());
   return a;
 }
 
@@ -327,11 +344,19 @@ std::optional<cv::Size> header_size(const std::string& b) {
   return std::nullopt;
 }
 
+namespace {
+std::atomic<int64_t> g_max_image_pixels{kDefaultMaxImagePixels};
+}
+
+void set_max_image_pixels(int64_t n) { g_max_image_pixels.store(n); }
+int64_t max_image_pixels() { return g_max_image_pixels.load(); }
+
 void check_image_pixels(int64_t width, int64_t height, const std::string& what) {
-  if (width * height > kMaxImagePixels)
-    throw DecodeError(fmt::format("'{}' is {}x{} = {} pixels, above the limit of {} (PIL's decompression-bomb "
-                                  "limit); skipped",
-                                  what, width, height, width * height, kMaxImagePixels));
+  const int64_t limit = max_image_pixels();
+  if (limit > 0 && width * height > limit)
+    throw DecodeError(fmt::format("'{}' is {}x{} = {} pixels, above the limit of {} (--max-image-pixels, PIL's "
+                                  "decompression-bomb limit by default); skipped",
+                                  what, width, height, width * height, limit));
 }
 
 cv::Mat decode_image(const std::string& bytes, const std::string& what) {

@@ -55,9 +55,12 @@ IdxArray read_idx(const std::string& path);
 void read_file_bytes(const std::string& path, std::string& bytes);
 
 // PIL refuses images above 2 x Image.MAX_IMAGE_PIXELS (DecompressionBombError) and timm skips
-// them; imgtrain does the same, from the header, before decoding.
-inline constexpr int64_t kMaxImagePixels = 2 * 89478485;
-// DecodeError naming the image when width x height is above kMaxImagePixels.
+// them; imgtrain does the same, from the header, before decoding. The limit is process-wide, as
+// PIL's Image.MAX_IMAGE_PIXELS: --max-image-pixels sets it once at start-up (0: no limit).
+inline constexpr int64_t kDefaultMaxImagePixels = 2 * 89478485;
+void set_max_image_pixels(int64_t n);
+int64_t max_image_pixels();
+// DecodeError naming the image when width x height is above max_image_pixels().
 void check_image_pixels(int64_t width, int64_t height, const std::string& what);
 // An encoded image's width and height from its header (JPEG, PNG, GIF screen, BMP, WebP), without
 // decoding; nullopt for other formats or a header too short to say.

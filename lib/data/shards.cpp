@@ -21,6 +21,8 @@ namespace imgtrain::data {
 namespace {
 
 constexpr size_t kBlock = 512;
+// Labels at or above this are refused (as --num-classes's limit): the class count is max + 1.
+constexpr int64_t kMaxLabel = 1000000;
 
 bool is_image_ext(std::string ext) {
   std::transform(ext.begin(), ext.end(), ext.begin(), [](unsigned char c) { return std::tolower(c); });
@@ -113,7 +115,7 @@ ShardSamples scan_shard(const std::string& path) {
           const std::string text = read_range(f, members[i].offset, members[i].size);
           size_t used = 0;
           const long long v = std::stoll(text, &used);
-          if (v >= 0) label = v;
+          if (v >= 0 && v < kMaxLabel) label = v;  // (a label of 2^63-1 would make the class count wrap)
         } catch (const std::exception&) {
         }
       }
@@ -149,7 +151,9 @@ class TarShards : public Dataset {
       skipped += sh.skipped;
     }
     starts_.push_back(files_.size());
-    if (skipped) log::warn("shards in '{}': skipped {} key(s) without an image or a .cls label", folder, skipped);
+    if (skipped)
+      log::warn("shards in '{}': skipped {} key(s) without an image or a .cls label in [0, {}]", folder, skipped,
+                kMaxLabel - 1);
     if (files_.empty()) throw UserError(fmt::format("no samples (<key>.jpg + <key>.cls) in the shards of '{}'", folder));
     std::ifstream names(fs::path(folder) / "classes.txt");
     for (std::string line; std::getline(names, line);) class_names_.push_back(line);
@@ -248,7 +252,8 @@ std::vector<TarMember> list_tar(const std::string& path, std::string* error) {
     return out;
   };
   std::string long_name;
-  for (uint64_t pos = 0; pos + kBlock <= file_size;) {
+  uint64_t pos = 0;
+  while (pos + kBlock <= file_size) {
     char h[kBlock];
     f.seekg(std::streamoff(pos));
     f.read(h, kBlock);
@@ -280,7 +285,10 @@ std::vector<TarMember> list_tar(const std::string& path, std::string* error) {
     }
     pos = data + (size + kBlock - 1) / kBlock * kBlock;
   }
-  return out;
+  // Every tar writer ends the archive with zero blocks; a file that stops before them (even
+  // exactly at a member boundary) was cut short, and the members after the cut are lost.
+  return fail(pos < file_size ? "a partial header block (truncated)" : "no end-of-archive blocks (the file is cut short)",
+              std::min(pos, file_size));
 }
 
 std::vector<std::string> find_shards(const std::string& folder) {

@@ -61,9 +61,9 @@ cv::Mat to_channels(const cv::Mat& img, int channels) {
 
 void check_resized_size(int64_t w, int64_t h, int64_t nw, int64_t nh) {
   // a 1 x 1,000,000 image would become 256 x 256,000,000 here
-  if (nw * nh > kMaxImagePixels)
+  if (const int64_t limit = max_image_pixels(); limit > 0 && nw * nh > limit)
     throw DecodeError(fmt::format("an image of {}x{} resized to {}x{} is above the limit of {} pixels; skipped", w, h,
-                                  nw, nh, kMaxImagePixels));
+                                  nw, nh, limit));
 }
 
 // timm's eval geometry (transforms_imagenet_eval) for a square crop: the size of the resize, then

@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <netdb.h>
+#include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -163,7 +164,7 @@ std::vector<std::string> worker_env(const LaunchOptions& o, int64_t local_rank, 
   static const char* kOwned[] = {"RANK",        "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                                  "ROLE_RANK",   "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                                  "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
-                                 "TORCHELASTIC_USE_AGENT_STORE"};
+                                 "TORCHELASTIC_USE_AGENT_STORE", "IMGTRAIN_ERROR_FD"};
   std::vector<std::string> env;
   bool has_omp = false;
   for (char** e = environ; *e; ++e) {
@@ -274,6 +275,19 @@ int launch(const LaunchOptions& o, const std::vector<std::string>& argv) {
     cenvs.back().push_back(nullptr);
   }
 
+  // The workers' user errors come back through a pipe (IMGTRAIN_ERROR_FD) rather than their
+  // stderr, so that N workers refusing the same input print one line, not N.
+  int err_pipe[2];
+  if (pipe2(err_pipe, O_CLOEXEC) != 0)
+    throw std::runtime_error(fmt::format("launcher: pipe failed ({})", std::strerror(errno)));
+  for (auto& e : envs) e.push_back(fmt::format("IMGTRAIN_ERROR_FD={}", err_pipe[1]));
+  cenvs.clear();
+  for (auto& e : envs) {
+    cenvs.emplace_back();
+    for (auto& kv : e) cenvs.back().push_back(kv.data());
+    cenvs.back().push_back(nullptr);
+  }
+
   std::vector<pid_t> pids;
   const pid_t launcher_pid = getpid();
   for (int64_t i = 0; i < o.nproc_per_node; ++i) {
@@ -287,12 +301,27 @@ int launch(const LaunchOptions& o, const std::vector<std::string>& argv) {
       if (getppid() != launcher_pid) _exit(1);
       signal(SIGINT, SIG_DFL);
       signal(SIGTERM, SIG_DFL);
+      fcntl(err_pipe[1], F_SETFD, 0);  // the write end survives exec
       execve(exe, cargv.data(), cenvs[size_t(i)].data());
       _exit(127);
     }
     setpgid(pid, pid);
     pids.push_back(pid);
   }
+  close(err_pipe[1]);
+  fcntl(err_pipe[0], F_SETFL, O_NONBLOCK);
+  std::string reported;                 // bytes read from the pipe
+  std::vector<std::string> printed;     // distinct lines already on stderr
+  auto print_reported = [&] {
+    char buf[4096];
+    for (ssize_t n; (n = read(err_pipe[0], buf, sizeof buf)) > 0;) reported.append(buf, size_t(n));
+    for (size_t nl; (nl = reported.find('\n')) != std::string::npos; reported.erase(0, nl + 1)) {
+      const std::string line = reported.substr(0, nl + 1);
+      if (std::find(printed.begin(), printed.end(), line) != printed.end()) continue;
+      std::fputs(line.c_str(), stderr);
+      printed.push_back(line);
+    }
+  };
   const int64_t rank0 = o.node_rank * o.nproc_per_node;
   std::vector<bool> done(pids.size(), false);
   size_t running = pids.size();
@@ -327,14 +356,21 @@ int launch(const LaunchOptions& o, const std::vector<std::string>& argv) {
     done[i] = true;
     --running;
     const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+    print_reported();
     if (!ok && exit_code == 0 && !forwarded) {
-      exit_code = 1;
-      std::fprintf(stderr, "imgtrain launcher: worker rank %lld (local rank %zu, pid %d) %s; stopping the other workers\n",
-                   (long long)(rank0 + int64_t(i)), i, int(pid), describe_status(status).c_str());
+      // exit code 2 with its line on the pipe: the worker refused the input; that line is the message
+      const bool user_error = WIFEXITED(status) && WEXITSTATUS(status) == 2 && !printed.empty();
+      exit_code = user_error ? 2 : 1;
+      if (!user_error)
+        std::fprintf(stderr,
+                     "imgtrain launcher: worker rank %lld (local rank %zu, pid %d) %s; stopping the other workers\n",
+                     (long long)(rank0 + int64_t(i)), i, int(pid), describe_status(status).c_str());
       signal_all(SIGTERM);
       deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
     }
   }
+  print_reported();
+  close(err_pipe[0]);
   return exit_code;
 }
 

@@ -22,8 +22,20 @@ void replace_with_link(const std::string& from, const std::string& to) {
   std::error_code ec;
   fs::remove(tmp, ec);
   fs::create_hard_link(from, tmp, ec);
-  if (ec) fs::copy_file(from, tmp, fs::copy_options::overwrite_existing);
-  fs::rename(tmp, to);
+  if (ec) {
+    ec.clear();
+    fs::copy_file(from, tmp, fs::copy_options::overwrite_existing, ec);
+  }
+  if (!ec) fs::rename(tmp, to, ec);
+  if (ec) {
+    std::error_code ignored;
+    fs::remove(tmp, ignored);
+    throw UserError(fmt::format("cannot write '{}' ({})", to, ec.message()));
+  }
+}
+
+bool is_recovery_name(const std::string& name) {
+  return name.rfind("recovery-", 0) == 0 && name.size() > 12 && name.ends_with(".safetensors");
 }
 }  // namespace
 
@@ -158,10 +170,9 @@ void Checkpoint::require_training(const std::string& flag, const std::string& ar
   if (!meta_.num_updates) throw missing("num_updates");
 }
 
-std::string find_latest_checkpoint(const std::string& dir) {
+std::vector<std::string> find_checkpoints(const std::string& dir) {
   std::error_code ec;
-  std::string best;
-  std::pair<int64_t, int> best_key{-1, 0};
+  std::vector<std::pair<std::pair<int64_t, int>, std::string>> found;
   for (auto& e : fs::directory_iterator(dir, ec)) {
     const auto name = e.path().filename().string();
     if (e.path().extension() != ".safetensors" || name.find(".tmp") != std::string::npos) continue;
@@ -173,15 +184,84 @@ std::string find_latest_checkpoint(const std::string& dir) {
       continue;
     }
     if (!m.num_updates || !m.epoch) continue;
-    const std::pair<int64_t, int> key{*m.num_updates, m.recovery_update ? 0 : 1};
-    if (key > best_key) best_key = key, best = e.path().string();
+    found.push_back({{*m.num_updates, m.recovery_update ? 0 : 1}, e.path().string()});
   }
-  return best;
+  // newest first; at equal keys (last / checkpoint-N / model_best of one epoch) by name, so the
+  // order does not depend on the directory's
+  std::sort(found.begin(), found.end(), [](auto& a, auto& b) {
+    return a.first != b.first ? a.first > b.first : a.second < b.second;
+  });
+  std::vector<std::string> out;
+  for (auto& [k, p] : found) out.push_back(p);
+  return out;
+}
+
+void CheckpointSaver::adopt_existing(int64_t start_epoch) {
+  std::error_code ec;
+  for (auto& e : fs::directory_iterator(dir_, ec)) {
+    const auto name = e.path().filename().string();
+    if (name.rfind("checkpoint-", 0) != 0 || e.path().extension() != ".safetensors") continue;
+    const std::string path = e.path().string();
+    if (std::any_of(kept_.begin(), kept_.end(), [&](auto& k) { return k.first == path; })) continue;
+    CheckpointMeta m;
+    try {
+      m = Checkpoint::read_meta(path);
+    } catch (const UserError&) {
+      continue;  // not ours to judge or remove
+    }
+    if (!m.epoch || !m.metric || *m.epoch >= start_epoch ||
+        path != this->path(fmt::format("checkpoint-{}.safetensors", *m.epoch)))
+      continue;
+    kept_.emplace_back(path, *m.metric);
+  }
+  std::stable_sort(kept_.begin(), kept_.end(), [&](auto& a, auto& b) { return better(a.second, b.second); });
+  while (int64_t(kept_.size()) > std::max<int64_t>(max_history_, 0)) {
+    fs::remove(kept_.back().first, ec);
+    kept_.pop_back();
+  }
+  // A process killed between writing last.safetensors and linking it as checkpoint-<epoch> /
+  // model_best: the resumed run makes the links the save would have made.
+  const std::string last = path("last.safetensors");
+  CheckpointMeta lm;
+  try {
+    lm = Checkpoint::read_meta(last);
+  } catch (const UserError&) {
+    return;
+  }
+  if (!lm.epoch || *lm.epoch != start_epoch - 1 || lm.recovery_update || !lm.metric) return;
+  if (!fs::exists(path(fmt::format("checkpoint-{}.safetensors", *lm.epoch)), ec)) keep(*lm.epoch, *lm.metric, last);
+  if (lm.best_epoch == lm.epoch) {
+    std::optional<int64_t> best_file_epoch;
+    try {
+      best_file_epoch = Checkpoint::read_meta(path("model_best.safetensors")).epoch;
+    } catch (const UserError&) {
+    }
+    if (best_file_epoch != lm.epoch) replace_with_link(last, path("model_best.safetensors"));
+  }
+}
+
+void CheckpointSaver::prune_recovery(const std::string& keep) const {
+  std::error_code ec;
+  std::vector<fs::path> old;
+  for (auto& e : fs::directory_iterator(dir_, ec))
+    if (is_recovery_name(e.path().filename().string()) && e.path().string() != keep) old.push_back(e.path());
+  for (auto& p : old) fs::remove(p, ec);
 }
 
 bool CheckpointSaver::save(int64_t epoch, double metric, const std::function<void(const std::string&)>& write) {
   const std::string last = path("last.safetensors");
   write(last);
+  keep(epoch, metric, last);
+  if (!best_metric || better(metric, *best_metric)) {
+    best_metric = metric;
+    best_epoch = epoch;
+    replace_with_link(last, path("model_best.safetensors"));
+    return true;
+  }
+  return false;
+}
+
+void CheckpointSaver::keep(int64_t epoch, double metric, const std::string& last) {
   const bool room = int64_t(kept_.size()) < max_history_;
   if (room || better(metric, kept_.back().second)) {
     if (!room) {
@@ -198,13 +278,6 @@ bool CheckpointSaver::save(int64_t epoch, double metric, const std::function<voi
     listing.pop_back();
     log::write_info(listing);
   }
-  if (!best_metric || better(metric, *best_metric)) {
-    best_metric = metric;
-    best_epoch = epoch;
-    replace_with_link(last, path("model_best.safetensors"));
-    return true;
-  }
-  return false;
 }
 
 }  // namespace imgtrain::engine

@@ -82,9 +82,10 @@ class Checkpoint {
   io::SafeTensors st_;
 };
 
-// --resume auto: the newest training checkpoint in `dir` (the most updates; at a tie the
-// end-of-epoch file), or "" when there is none yet. Unreadable files are skipped with a warning.
-std::string find_latest_checkpoint(const std::string& dir);
+// --resume auto: the training checkpoints in `dir`, newest first (the most updates; at a tie the
+// end-of-epoch file); empty when there is none yet. Files whose header is unreadable are skipped
+// with a warning; the caller falls back to the next one when a file's tensors turn out damaged.
+std::vector<std::string> find_checkpoints(const std::string& dir);
 
 class CheckpointSaver {
  public:
@@ -92,6 +93,14 @@ class CheckpointSaver {
       : dir_(std::move(dir)), max_history_(max_history), decreasing_(decreasing) {}
   // `write(path)` writes one checkpoint file. Returns true when this epoch is the new best.
   bool save(int64_t epoch, double metric, const std::function<void(const std::string&)>& write);
+  // A resumed run: the checkpoint-<epoch> files of epochs before `start_epoch` already in the
+  // folder join the kept list (by the metric in their header), and those beyond --checkpoint-hist
+  // are removed now, so the limit holds across any number of restarts. Links a killed save did
+  // not make (last.safetensors of epoch start_epoch - 1 as checkpoint-<epoch>, model_best) are made.
+  void adopt_existing(int64_t start_epoch);
+  // Mid-epoch recovery files: after writing `keep` (or, with "", after an epoch's checkpoint,
+  // which supersedes them all), every other recovery-*.safetensors of the folder is removed.
+  void prune_recovery(const std::string& keep) const;
   std::optional<double> best_metric;
   int64_t best_epoch = -1;
   std::string path(const std::string& name) const { return dir_ + "/" + name; }
@@ -102,6 +111,8 @@ class CheckpointSaver {
   int64_t max_history_;
   bool decreasing_;
   std::vector<std::pair<std::string, double>> kept_;  // best first
+  // timm's policy for one epoch's file: linked as checkpoint-<epoch> when among the best N.
+  void keep(int64_t epoch, double metric, const std::string& last);
 };
 
 }  // namespace imgtrain::engine

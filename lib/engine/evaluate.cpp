@@ -1,5 +1,6 @@
 #include "engine/evaluate.h"
 
+#include "core/error.h"
 #include "core/log.h"
 #include "core/meter.h"
 #include "engine/amp.h"
@@ -58,6 +59,11 @@ EvalResult evaluate(Task& task, torch::nn::Module& model, data::Loader& loader, 
   if (loader.skipped_this_epoch())
     log::warn("evaluation skipped {} unreadable image(s)", loader.skipped_this_epoch());
   evaluator->sync();
+  // Metrics over no image would read as a score of 0 and pick checkpoints by it.
+  if (evaluator->count() == 0)
+    throw UserError(fmt::format("evaluation saw no image: {}", loader.skipped_this_epoch()
+                                    ? fmt::format("all {} were unreadable", loader.skipped_this_epoch())
+                                    : std::string("the split is empty")));
   return {evaluator->summarize(), evaluator->count(), evaluator->summary_line(), evaluator->result_fields()};
 }
 

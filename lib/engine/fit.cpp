@@ -129,11 +129,12 @@ struct ResumePoint {
   std::optional<Checkpoint> checkpoint;  // kept for the EMA, which is created after the model's resume
 };
 
-ResumePoint resume(Run& r, const cli::Config& cfg, const std::string& path, CheckpointSaver& saver) {
+ResumePoint resume(Run& r, const cli::Config& cfg, std::optional<Checkpoint> checkpoint, CheckpointSaver& saver) {
   ResumePoint p;
-  if (path.empty()) return p;
-  p.checkpoint = Checkpoint::read(path);
+  if (!checkpoint) return p;
+  p.checkpoint = std::move(checkpoint);
   const Checkpoint& ck = *p.checkpoint;
+  const std::string& path = ck.path();
   ck.require_training("--resume", cfg.model);
   ck.load_prefixed(*r.model, "model.");
   if (r.master) {  // the float32 masters as saved (the model's half weights are their rounding)
@@ -229,14 +230,31 @@ int fit(const cli::Config& given_cfg, torch::Device device, dist::Context* ctx) 
                       r.args_yaml, primary);
   run.open_log();
 
-  // --resume auto (a restarted or preempted job): the newest checkpoint of this run's folder.
-  std::string resume_path = cfg.resume;
+  // --resume auto (a restarted or preempted job): the newest checkpoint of this run's folder that
+  // reads whole; a damaged newest one (cut short, bad header) falls back to the one before it.
+  std::optional<Checkpoint> resume_from;
   if (cfg.resume == "auto") {
-    resume_path = find_latest_checkpoint(run.dir());
-    if (resume_path.empty()) log::info("--resume auto: no checkpoint in '{}' yet; starting from scratch", run.dir());
+    const auto candidates = find_checkpoints(run.dir());
+    for (auto& path : candidates) {
+      try {
+        resume_from = Checkpoint::read(path);
+        resume_from->require_training("--resume", cfg.model);
+        break;
+      } catch (const UserError& e) {
+        resume_from.reset();
+        log::warn("--resume auto: skipping '{}': {}", path, e.what());
+      }
+    }
+    if (!resume_from)
+      log::info("--resume auto: no {}checkpoint in '{}'; starting from scratch", candidates.empty() ? "" : "usable ",
+                run.dir());
+  } else if (!cfg.resume.empty()) {
+    resume_from = Checkpoint::read(cfg.resume);
   }
   CheckpointSaver saver(run.dir(), cfg.checkpoint_hist, /*decreasing=*/eval_metric == "loss");
-  ResumePoint rp = resume(r, cfg, resume_path, saver);
+  const std::string resumed_from = resume_from ? resume_from->path() : "";
+  const bool resumed_from_recovery = resume_from && resume_from->meta().recovery_update.has_value();
+  ResumePoint rp = resume(r, cfg, std::move(resume_from), saver);
   int64_t start_epoch = rp.start_epoch;
   if (cfg.model_ema) {
     // Created after any resume of the model, as timm does, then given the checkpoint's EMA.
@@ -249,6 +267,14 @@ int fit(const cli::Config& given_cfg, torch::Device device, dist::Context* ctx) 
   std::unique_ptr<dist::GradSync> grad_sync;  // created last, on the final parameters (as DDP)
   if (ctx) grad_sync = ctx->grad_sync(*r.model, cfg.bucket_cap_mb, !cfg.no_ddp_bb);
   if (cfg.start_epoch) start_epoch = *cfg.start_epoch;
+  if (primary && !resumed_from.empty()) {
+    // a restart keeps the folder's promises: --checkpoint-hist over all the run's checkpoints, one
+    // summary.csv row per epoch (rows of epochs about to be redone are dropped; a kill can fall
+    // between an epoch's row and its checkpoint), and one recovery file, the one resumed from
+    saver.adopt_existing(start_epoch);
+    run.truncate_summary(start_epoch);
+    saver.prune_recovery(resumed_from_recovery ? resumed_from : "");
+  }
   if (cfg.max_iter)
     log::info("Scheduled epochs: {} ({} updates of {} per epoch). LR stepped per update.", num_epochs, *cfg.max_iter,
               updates_per_epoch);
@@ -291,8 +317,7 @@ int fit(const cli::Config& given_cfg, torch::Device device, dist::Context* ctx) 
     const std::string path = run.path(fmt::format("recovery-{}-{}.safetensors", lopt.epoch, update_idx));
     r.write(path, lopt.epoch, saver.best_metric.value_or(0.0), saver.best_metric.value_or(0.0), saver.best_epoch,
             update_idx);
-    std::error_code ec;
-    if (!last_recovery.empty() && last_recovery != path) fs::remove(last_recovery, ec);
+    saver.prune_recovery(path);  // also those an earlier, killed process of this run left
     last_recovery = path;
   };
   EvalOptions eopt;
@@ -347,10 +372,13 @@ int fit(const cli::Config& given_cfg, torch::Device device, dist::Context* ctx) 
     const bool new_best = !saver.best_metric || saver.better(metric, *saver.best_metric);
     const double best_metric = new_best ? metric : *saver.best_metric;
     const int64_t best_epoch = new_best ? epoch : saver.best_epoch;
-    if (primary)
+    if (primary) {
       saver.save(epoch, metric, [&](const std::string& path) {
         r.write(path, epoch, metric, best_metric, best_epoch, std::nullopt);
       });
+      saver.prune_recovery("");  // last.safetensors supersedes the epoch's recovery points
+      last_recovery.clear();
+    }
     if (epoch + 1 < num_epochs) {  // a stop request during evaluation: after this epoch's checkpoint
       const int sig = dist::stop_signal();
       if (ctx ? ctx->any(sig != 0) : sig != 0) {

@@ -52,6 +52,19 @@ RunFolder::RunFolder(const std::string& output, const std::string& experiment, c
   if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, me.data(), me.size(), 0) < 0) {
     // the lock holds without the note; only the message of a refused second run is poorer
   }
+  // No other process writes here while we hold the lock: any temporary file is a killed writer's.
+  std::vector<fs::path> stale;
+  for (auto& e : fs::directory_iterator(dir_, ec)) {
+    const std::string name = e.path().filename().string();
+    const auto t = name.rfind(".tmp.");
+    if (t != std::string::npos && t + 5 < name.size() &&
+        name.find_first_not_of("0123456789", t + 5) == std::string::npos)
+      stale.push_back(e.path());
+  }
+  for (auto& p : stale) {
+    fs::remove(p, ec);
+    log::info("Removed '{}', a temporary file an interrupted run left", p.string());
+  }
   std::ofstream f(dir_ + "/args.yaml");
   f << args_yaml;
   if (!f) throw UserError(fmt::format("cannot write '{}/args.yaml'", dir_));
@@ -76,6 +89,41 @@ void RunFolder::append_summary(int64_t epoch, const NamedValues& train, const Na
   for (auto& [k, v] : train) row += fmt::format(",{}", v);
   for (auto& [k, v] : eval) row += fmt::format(",{}", v);
   f << row << fmt::format(",{}\n", lr);
+}
+
+void RunFolder::truncate_summary(int64_t from_epoch) const {
+  if (!primary_) return;
+  const std::string summary = path("summary.csv");
+  std::ifstream in(summary);
+  if (!in) return;
+  std::string kept, line;
+  bool dropped = false, first = true;
+  while (std::getline(in, line)) {
+    bool keep = first;  // the header
+    if (!first) {
+      char* end = nullptr;
+      const long long e = std::strtoll(line.c_str(), &end, 10);
+      keep = end != line.c_str() && *end == ',' && e < from_epoch;
+    }
+    first = false;
+    if (keep) kept += line + "\n";
+    else dropped = true;
+  }
+  in.close();
+  if (!dropped) return;
+  const std::string tmp = summary + fmt::format(".tmp.{}", ::getpid());
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << kept;
+    if (!out.flush()) {
+      std::error_code ec;
+      fs::remove(tmp, ec);
+      throw UserError(fmt::format("cannot write '{}' (disk full?)", tmp));
+    }
+  }
+  std::error_code ec;
+  fs::rename(tmp, summary, ec);
+  if (ec) throw UserError(fmt::format("cannot replace '{}' ({})", summary, ec.message()));
 }
 
 }  // namespace imgtrain::engine

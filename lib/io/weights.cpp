@@ -74,6 +74,16 @@ void load_state_dict(torch::nn::Module& m, const SafeTensors& st, const std::str
     msg.pop_back();
     throw UserError(msg);
   }
+  // NaN or infinite weights would only surface later as "training diverged": name them now.
+  std::vector<std::string> non_finite;
+  for (auto& [k, t] : dst) {
+    if (keep.count(k)) continue;
+    const at::Tensor& v = *src[k];
+    if (at::isFloatingType(v.scalar_type()) && v.numel() && !at::isfinite(v).all().item<bool>()) non_finite.push_back(k);
+  }
+  if (!non_finite.empty())
+    throw UserError(fmt::format("weights in '{}' hold NaN or infinite values: {}{}", what, non_finite.front(),
+                                non_finite.size() > 1 ? fmt::format(" and {} more tensor(s)", non_finite.size() - 1) : ""));
   torch::NoGradGuard ng;
   for (auto& [k, t] : dst)
     if (!keep.count(k)) t.copy_(*src[k]);

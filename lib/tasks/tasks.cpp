@@ -108,8 +108,11 @@ TaskSetup classification_validate_setup(const cli::Config& cfg, const engine::Ch
   const auto& defaults = model_zoo::model_defaults(arch);
   engine::DataOverrides o{cfg.in_chans, cfg.img_size, cfg.crop_pct, cfg.interpolation, cfg.crop_mode};
   if (!o.in_chans) o.in_chans = m.in_chans;
-  std::string gp = cfg.gp;
-  if (gp.empty() && m.global_pool) gp = *m.global_pool;
+  std::string gp = cfg.gp, gp_from = "--gp";
+  if (gp.empty() && m.global_pool) {
+    gp = *m.global_pool;
+    gp_from = fmt::format("'{}': metadata 'global_pool'", cfg.checkpoint);
+  }
   if (!o.img_size) {
     o.img_size = m.img_size;  // a checkpoint's own training size and eval crop
     if (o.img_size && !o.crop_pct) o.crop_pct = m.crop_pct;
@@ -128,6 +131,7 @@ TaskSetup classification_validate_setup(const cli::Config& cfg, const engine::Ch
   co.model = arch;
   co.model_args = cli::model_args(cfg, num_classes, dc.in_chans, dc.img_size);
   co.model_args.global_pool = gp;
+  co.model_args.global_pool_from = gp_from;
   co.pretrained = cfg.pretrained;
   co.pretrained_path = cfg.pretrained_path;
   s.task = std::make_unique<ClassificationTask>(std::move(co));

@@ -125,12 +125,12 @@ at::Tensor global_pool(const at::Tensor& x, const std::string& type, bool keepdi
 int64_t pool_feat_mult(const std::string& type) { return type == "catavgmax" ? 2 : 1; }
 
 std::string resolve_global_pool(const std::string& model, const std::string& requested, const std::string& dflt,
-                                const std::vector<std::string>& supported) {
+                                const std::vector<std::string>& supported, const std::string& from) {
   const std::string t = requested.empty() ? dflt : requested;
   if (std::find(supported.begin(), supported.end(), t) == supported.end()) {
     std::string list;
     for (auto& s : supported) list += (list.empty() ? "" : ", ") + s;
-    throw UserError(fmt::format("--gp '{}': {} supports {}", t, model, list));
+    throw UserError(fmt::format("{} '{}': {} supports {}", from, t, model, list));
   }
   return t;
 }

@@ -78,9 +78,10 @@ TORCH_MODULE(LayerNorm2d);
 // mean) or catavgmax (both, concatenated: twice the channels) — to B x C (x 1 x 1 with keepdim).
 at::Tensor global_pool(const at::Tensor& x, const std::string& type, bool keepdim = false);
 int64_t pool_feat_mult(const std::string& type);
-// The model's pool type: `requested` ("" = the model's default), checked against what it supports.
+// The model's pool type: `requested` ("" = the model's default), checked against what it supports;
+// `from` names where the request came from in the error (ModelArgs::global_pool_from).
 std::string resolve_global_pool(const std::string& model, const std::string& requested, const std::string& dflt,
-                                const std::vector<std::string>& supported);
+                                const std::vector<std::string>& supported, const std::string& from = "--gp");
 
 // timm's efficientnet_init_weights (_init_weight_goog, fix_group_fanout): convolutions
 // normal(0, sqrt(2 / fan_out)) with fan_out = k*k*out/groups, BatchNorm ones/zeros, Linear

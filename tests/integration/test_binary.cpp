@@ -12,6 +12,7 @@
 #include <torch/torch.h>
 
 #include <nlohmann/json.hpp>
+#include <random>
 #include <regex>
 
 namespace fs = std::filesystem;
@@ -469,7 +470,7 @@ TEST_CASE("max-iter ends the run after that many updates, mid-epoch, with torch'
   CHECK(test::read_csv(out / "m/summary.csv").size() == 3);  // header + 2 epochs
 }
 
-TEST_CASE("kill -9 mid-epoch, then resume from the recovery checkpoint and finish", "[integration]") {
+TEST_CASE("kill -9 mid-epoch, then resume from the recovery checkpoint and finish", "[integration][fault]") {
   auto data = test::fmnist_folder(200, 100);
   test::TempDir out("kill");
   const std::string args = " train --data-dir " + data + kSmallArgs + " -b 25 --epochs 3 --recovery-interval 2 " +
@@ -492,6 +493,164 @@ TEST_CASE("kill -9 mid-epoch, then resume from the recovery checkpoint and finis
   CHECK_THAT(r.output, Catch::Contains("Resumed from checkpoint") && Catch::Contains("*** Best metric"));
   auto st = io::load_safetensors(out / "k/last.safetensors");
   CHECK(st.metadata.at("epoch") == "2");
+}
+
+TEST_CASE("kill -9 at 20 points, each followed by --resume auto: bitwise the uninterrupted run, files bounded",
+          "[integration][fault]") {
+  auto data = test::fmnist_folder(200, 100);
+  test::TempDir out("killmatrix");
+  const std::string args = " train --data-dir " + data + kSmallArgs +
+                           " -b 25 --epochs 6 --model-ema --model-ema-decay 0.9 --drop-path 0.1 --recovery-interval 1 "
+                           "--checkpoint-hist 2 --log-interval 1 --output " + out.path.string();
+  auto ref = test::run(kBin + args + " --experiment ref");
+  INFO(ref.output);
+  REQUIRE(ref.code == 0);
+  const std::string dir = out / "k";
+  auto finished = [&] {
+    if (!fs::exists(dir + "/last.safetensors")) return false;
+    const auto m = engine::Checkpoint::read_meta(dir + "/last.safetensors");
+    return m.epoch == 5 && !m.recovery_update;
+  };
+  // Kill points spread over start-up (reading the checkpoint back), updates, recovery writes, the
+  // evaluation and the epoch checkpoint: every third run is killed at a random time after its
+  // start, the others a random time after their 1st-3rd update's log line (so each run advances a
+  // few updates and the 20 kills cover the whole run). A fixed generator: a failure reproduces.
+  std::mt19937 gen(18);
+  std::uniform_real_distribution<double> startup(0.1, 1.2), after(0.0, 0.3);
+  std::uniform_int_distribution<int> updates(1, 3);
+  int kills = 0;
+  std::string log;
+  const std::string run_log = out / "run.log";
+  for (int i = 0; i < 20 && !finished(); ++i) {
+    const bool early = i % 3 == 0;
+    const int n = updates(gen);
+    const double d = early ? startup(gen) : after(gen);
+    const std::string wait_for =
+        early ? "" : fmt::format("for t in $(seq 1500); do [ $(grep -c 'Train:' {} 2>/dev/null || echo 0) -ge {} ] && break; "
+                                 "sleep 0.02; done; ", run_log, n);
+    auto k = test::run("(" + kBin + args + " --experiment k --resume auto > " + run_log + " 2>&1 & pid=$!; " +
+                       wait_for + "sleep " + fmt::format("{:.2f}", d) +
+                       "; kill -9 $pid 2>/dev/null && echo KILLED; wait $pid; exit 0)");
+    const bool killed = k.output.find("KILLED") != std::string::npos;
+    kills += killed;
+    log += early ? fmt::format("run {}: {:.2f} s after start: {}\n", i, d, killed)
+                 : fmt::format("run {}: {:.2f} s after update line {}: {}\n", i, d, n, killed);
+    // at any point: at most --checkpoint-hist checkpoints, one recovery file, no stale temporaries
+    // beyond the one a kill may have cut (the next start removes it)
+    if (!fs::exists(dir)) continue;  // killed before the run folder was made
+    int checkpoints = 0, recoveries = 0, temporaries = 0;
+    std::string listing;
+    for (auto& e : fs::directory_iterator(dir)) {
+      const auto name = e.path().filename().string();
+      listing += name + " ";
+      checkpoints += name.rfind("checkpoint-", 0) == 0 && name.find(".tmp.") == std::string::npos;
+      recoveries += name.rfind("recovery-", 0) == 0 && name.find(".tmp.") == std::string::npos;
+      temporaries += name.find(".tmp.") != std::string::npos;
+    }
+    INFO("after kill " << i << ": " << listing << "\n" << test::read_file(out / "run.log"));
+    CHECK(checkpoints <= 2);
+    // a new recovery file is renamed into place before the previous one is removed (so one whole
+    // file always exists): a kill between the two leaves two, until the next start removes one
+    CHECK(recoveries <= 2);
+    CHECK(temporaries <= 1);
+  }
+  INFO(log);
+  CHECK(kills == 20);
+  // the kills reached well past the first epochs' checkpoints (8 updates per epoch)
+  const auto reached = engine::find_checkpoints(dir);
+  REQUIRE_FALSE(reached.empty());
+  const auto at = engine::Checkpoint::read_meta(reached.front());
+  INFO("the killed runs reached " << reached.front() << ", update " << at.num_updates.value_or(0));
+  CHECK(at.num_updates.value_or(0) >= 12);
+  auto last = test::run(kBin + args + " --experiment k --resume auto");
+  INFO(last.output);
+  REQUIRE(last.code == 0);
+  expect_same_state(out / "ref/last.safetensors", dir + "/last.safetensors");
+  // one summary row per epoch, with the same evaluation as the uninterrupted run
+  const auto a = test::read_csv(out / "ref/summary.csv"), b = test::read_csv(dir + "/summary.csv");
+  REQUIRE(b.size() == a.size());
+  for (size_t r = 0; r < a.size(); ++r) {
+    CHECK(b[r].at(0) == a[r].at(0));
+    for (size_t c = 2; c < a[r].size(); ++c) CHECK(b[r].at(c) == a[r].at(c));  // eval columns and lr
+  }
+  int checkpoints = 0, recoveries = 0, temporaries = 0;
+  for (auto& e : fs::directory_iterator(dir)) {
+    const auto name = e.path().filename().string();
+    checkpoints += name.rfind("checkpoint-", 0) == 0;
+    recoveries += name.rfind("recovery-", 0) == 0;
+    temporaries += name.find(".tmp") != std::string::npos;
+  }
+  CHECK(checkpoints == 2);
+  CHECK(recoveries == 0);  // the final epoch's checkpoint supersedes them
+  CHECK(temporaries == 0);
+}
+
+TEST_CASE("resume auto passes over a damaged newest checkpoint to the one before it", "[integration][fault]") {
+  auto data = test::fmnist_folder(200, 100);
+  test::TempDir out("fallback");
+  const std::string args = " train --data-dir " + data + kSmallArgs + " -b 50 --checkpoint-hist 3 --output " +
+                           out.path.string() + " --experiment f";
+  auto first = test::run(kBin + args + " --epochs 2");
+  INFO(first.output);
+  REQUIRE(first.code == 0);
+  // last, checkpoint-1 and model_best are one file (hard links): cutting it damages all three
+  const std::string last = out / "f/last.safetensors";
+  fs::resize_file(last, fs::file_size(last) / 2);
+  auto r = test::run(kBin + args + " --epochs 3 --resume auto");
+  INFO(r.output);
+  CHECK(r.code == 0);
+  CHECK_THAT(r.output, Catch::Contains("--resume auto: skipping '" + last + "'"));
+  CHECK_THAT(r.output, Catch::Contains("Resumed from checkpoint '" + (out / "f/checkpoint-0.safetensors") + "' (epoch 0)"));
+  CHECK(engine::Checkpoint::read_meta(last).epoch == 2);
+  CHECK(test::read_csv(out / "f/summary.csv").size() == 4);  // header + epochs 0, 1 (redone), 2
+}
+
+TEST_CASE("a checkpoint write that runs out of space fails in one line and keeps the earlier checkpoint",
+          "[integration][fault]") {
+  auto data = test::fmnist_folder(200, 100);
+  test::TempDir out("full");
+  const std::string args = " train --data-dir " + data + kSmallArgs + " -b 50 --output " + out.path.string() +
+                           " --experiment f";
+  auto first = test::run(kBin + args + " --epochs 1");
+  INFO(first.output);
+  REQUIRE(first.code == 0);
+  const auto size = fs::file_size(out / "f/last.safetensors");  // model + momentum
+  // The second run adds an EMA (a third copy of the weights) under a file size limit between the
+  // two checkpoint sizes: writing its first checkpoint fails as a full disk would (EFBIG, not ENOSPC).
+  const auto limit_kb = (size + size / 4) / 1024;
+  auto second = test::run("(trap '' XFSZ; ulimit -f " + std::to_string(limit_kb) + "; " + kBin + args +
+                          " --epochs 2 --model-ema --resume " + (out / "f/last.safetensors") + ")");
+  INFO(second.output);
+  CHECK(second.code == 2);
+  CHECK(std::regex_search(second.output, std::regex(R"(imgtrain: error: failed writing '.*last\.safetensors\.tmp\.\d+' \(disk full\?\))")));
+  const auto meta = engine::Checkpoint::read_meta(out / "f/last.safetensors");  // intact, the first run's
+  CHECK(meta.epoch == 0);
+  CHECK_NOTHROW(engine::Checkpoint::read(out / "f/last.safetensors"));
+  for (auto& e : fs::directory_iterator(out / "f")) CHECK(e.path().filename().string().find(".tmp") == std::string::npos);
+}
+
+TEST_CASE("a checkpoint's bad metadata is blamed on the checkpoint, not on a flag", "[integration][fault]") {
+  auto data = test::fmnist_folder(20, 20);
+  test::TempDir d("badmeta");
+  ModelArgs a;
+  a.num_classes = 10;
+  a.in_chans = 1;
+  auto model = model_zoo::create_module("resnet18", a);
+  engine::CheckpointMeta k;
+  k.arch = "resnet18";
+  k.num_classes = 10;
+  k.in_chans = 1;
+  k.img_size = 28;
+  k.global_pool = "bogus";
+  engine::TrainStateRefs refs;
+  refs.model = model.get();
+  engine::write_checkpoint(d / "gp.safetensors", k, refs);
+  const std::string validate = kBin + " validate --data-dir " + data + " --device cpu -b 10 --checkpoint ";
+  auto r = test::run(validate + (d / "gp.safetensors"));
+  expect_user_error(r, "'" + (d / "gp.safetensors") + "': metadata 'global_pool' 'bogus': resnet18 supports avg");
+  CHECK_THAT(r.output, !Catch::Contains("--gp"));
+  auto e = test::run(kBin + " export --checkpoint " + (d / "gp.safetensors") + " --out " + (d / "x.safetensors"));
+  expect_user_error(e, "metadata 'global_pool' 'bogus'");
 }
 
 TEST_CASE("every recipe in configs/ parses and trains (shrunk to a few steps on small images)", "[integration]") {
@@ -630,7 +789,7 @@ TEST_CASE("coco-info counts a dataset, its training view and missing images", "[
   CHECK_THAT(file.output, Catch::Contains("a file, not the image folder"));
 }
 
-TEST_CASE("a second run into a folder in use is refused in one line naming the holder", "[fault]") {
+TEST_CASE("a second run into a folder in use is refused in one line naming the holder", "[integration][fault]") {
   auto data = test::fmnist_folder();
   test::TempDir out("lock");
   const std::string cmd = kBin + " train --data-dir " + data + kSmallArgs + " --epochs 50 --output " +

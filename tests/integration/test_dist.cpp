@@ -6,6 +6,7 @@
 
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
+#include <opencv2/imgcodecs.hpp>
 #include <torch/torch.h>
 
 #include <regex>
@@ -231,6 +232,27 @@ TEST_CASE("a killed worker stops the job: the other exits non-zero and the launc
   CHECK_THAT(text, Catch::Contains("worker rank 1 (local rank 1") && Catch::Contains("killed by signal 9"));
   CHECK_THAT(text, Catch::Contains("rank 0: rank 1 stopped"));
   CHECK_THAT(text, !Catch::Contains("*** Best metric"));
+}
+
+TEST_CASE("a user error only the workers can see: one line from the launcher, exit code 2", "[dist][fault]") {
+  test::TempDir d("dist-usererr");
+  // a validation split without images: found when the workers build their datasets
+  for (const char* c : {"a", "b"}) {
+    fs::create_directories(d / (std::string("val/") + c));
+    fs::create_directories(d / (std::string("train/") + c));
+    for (int i = 0; i < 2; ++i)
+      cv::imwrite(d / fmt::format("train/{}/{}.png", c, i), cv::Mat(8, 8, CV_8UC3, cv::Scalar(i * 50, 0, 0)));
+  }
+  auto r = test::run(kBin + " train --data-dir " + d.path.string() +
+                     " --model resnet18 --img-size 16 -b 1 --epochs 1 --device cpu -j 1 --nproc-per-node 2 --output " +
+                     (d / "out"));
+  INFO(r.output);
+  CHECK(r.code == 2);
+  const std::regex err("imgtrain: error: no images .* in class subfolders of '.*val'");
+  size_t errors = 0;
+  for (auto it = std::sregex_iterator(r.output.begin(), r.output.end(), err); it != std::sregex_iterator(); ++it) ++errors;
+  CHECK(errors == 1);
+  CHECK_THAT(r.output, !Catch::Contains("launcher: worker rank"));
 }
 
 TEST_CASE("torchrun --max-restarts 1 with a worker killed once: --resume auto continues and finishes", "[dist]") {

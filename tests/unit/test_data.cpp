@@ -59,7 +59,7 @@ std::string encode(const cv::Mat& rgb, const std::string& ext) {
 
 }  // namespace
 
-TEST_CASE("IDX reader reads arrays and rejects malformed files", "[data][idx]") {
+TEST_CASE("IDX reader reads arrays and rejects malformed files", "[data][idx][fault]") {
   test::TempDir d("idx");
   write_gz(d / "ok.gz", idx_bytes({3, 2, 2}, 12));
   auto a = read_idx(d / "ok.gz");
@@ -79,6 +79,20 @@ TEST_CASE("IDX reader reads arrays and rejects malformed files", "[data][idx]") 
   test::write_file(d / "cut.gz", bytes.substr(0, bytes.size() / 2));
   CHECK_THAT(user_error([&] { read_idx(d / "cut.gz"); }), Catch::Contains("cut.gz"));
   CHECK_THAT(user_error([&] { read_idx(d / "nope.gz"); }), Catch::Contains("cannot open"));
+  // hostile headers: a zero dimension, a product that would wrap 64 bits, one past 16 GiB
+  write_gz(d / "zero.gz", idx_bytes({0, 28, 28}, 0));
+  CHECK_THAT(user_error([&] { read_idx(d / "zero.gz"); }), Catch::Contains("dimension 0 is 0"));
+  write_gz(d / "wrap.gz", idx_bytes({0x80000000u, 0x80000000u, 4}, 0));
+  CHECK_THAT(user_error([&] { read_idx(d / "wrap.gz"); }), Catch::Contains("declare more than 17179869184 bytes"));
+  write_gz(d / "big.gz", idx_bytes({0x10000u, 0x10000u, 5}, 0));
+  CHECK_THAT(user_error([&] { read_idx(d / "big.gz"); }), Catch::Contains("declare more than"));
+  // a gzip bomb: 4 declared bytes, then 64 MiB of zeros that inflate from a few KB; only the
+  // declared bytes are read
+  std::string bomb = idx_bytes({2, 2}, 4);
+  bomb.append(64u << 20, '\0');
+  write_gz(d / "bomb.gz", bomb);
+  const auto b = read_idx(d / "bomb.gz");
+  CHECK(b.data.size() == 4);
 }
 
 TEST_CASE("Fashion-MNIST from Debian's package", "[data][idx]") {
@@ -115,7 +129,7 @@ TEST_CASE("ImageFolder scans classes, nested files and extensions", "[data][fold
   CHECK(ds->image(3).channels() == 3);
 }
 
-TEST_CASE("ImageFolder follows folder links once: loops and links into other classes are skipped", "[data][folder]") {
+TEST_CASE("ImageFolder follows folder links once: loops and links into other classes are skipped", "[data][folder][fault]") {
   test::TempDir d("links");
   auto png = encode(make_image(8, 8, 1), ".png");
   for (auto f : {"a/1.png", "a/2.png", "a/sub/3.png", "b/4.png", "b/5.png"}) test::write_file(d / (std::string("train/") + f), png);
@@ -133,7 +147,7 @@ TEST_CASE("ImageFolder follows folder links once: loops and links into other cla
                                                    {"5.png", 1}, {"6.png", 1}});
 }
 
-TEST_CASE("decompression bombs are refused from the header, and resizes that would explode are skipped", "[data][decode]") {
+TEST_CASE("decompression bombs are refused from the header, and resizes that would explode are skipped", "[data][decode][fault]") {
   // a GIF whose logical screen is 65535 x 65535 (37 bytes; 13 GB per loader thread before)
   std::string gif = std::string("GIF89a") + "\xff\xff\xff\xff" + std::string("\x00\x00\x00", 3) +
                     std::string("\x2c\x00\x00\x00\x00\x01\x00\x01\x00\x00\x02\x02\x44\x01\x00\x3b", 16);
@@ -149,6 +163,15 @@ TEST_CASE("decompression bombs are refused from the header, and resizes that wou
     for (int b = 0; b < 4; ++b) big[size_t(16 + 4 * k + b)] = char((side >> (24 - 8 * b)) & 0xff);
   CHECK(header_size(big) == cv::Size(20000, 20000));
   CHECK_THAT(msg([&] { decode_image(big, "big.png"); }), Catch::Contains("above the limit"));
+  // --max-image-pixels moves the limit (0: none), process-wide as PIL's Image.MAX_IMAGE_PIXELS
+  set_max_image_pixels(16);
+  CHECK(decode_image(png, "small.png").cols == 4);
+  set_max_image_pixels(15);
+  CHECK_THAT(msg([&] { decode_image(png, "small.png"); }),
+             Catch::Contains("small.png") && Catch::Contains("above the limit of 15 (--max-image-pixels"));
+  set_max_image_pixels(0);
+  CHECK_NOTHROW(header_size(big));
+  set_max_image_pixels(kDefaultMaxImagePixels);
   // the headers' sizes, without decoding
   const auto im = make_image(13, 21, 2);
   for (auto ext : {".png", ".jpg", ".bmp", ".webp"}) {
@@ -402,7 +425,7 @@ TEST_CASE("loader skips unreadable images, warns and counts", "[data][loader]") 
   CHECK(batches[0].labels[1].item<int64_t>() == 2);  // sample 1 skipped: 0, 2, 3
 }
 
-TEST_CASE("training refills skipped images from the next index and stops when nothing is readable", "[data][loader]") {
+TEST_CASE("training refills skipped images from the next index and stops when nothing is readable", "[data][loader][fault]") {
   TransformConfig tc;
   tc.size = 8;
   LoaderOptions o;
@@ -658,7 +681,7 @@ TEST_CASE("pack writes tar shards that read back as the same samples", "[data][s
   for (size_t i = 0; i < st->size(); ++i) CHECK(std::max(st->image(i).rows, st->image(i).cols) <= 45);
 }
 
-TEST_CASE("a corrupt image inside a shard is skipped and counted, and a truncated shard keeps what precedes", "[data][shards]") {
+TEST_CASE("a corrupt image inside a shard is skipped and counted, and a truncated shard keeps what precedes", "[data][shards][fault]") {
   test::TempDir dir("shardbad");
   write_jpeg_folder(dir / "in", 12, 5);
   PackOptions po;
@@ -687,9 +710,19 @@ TEST_CASE("a corrupt image inside a shard is skipped and counted, and a truncate
   CHECK(kept.size() == 14);
   auto ds2 = create_dataset("", dir / "out", "train");
   CHECK(ds2->size() == 7);
+  // Cut exactly at a member's header block: no partial block, but no end-of-archive blocks either.
+  std::filesystem::resize_file(shard, members[12].offset - 512);
+  err.clear();
+  CHECK(list_tar(shard, &err).size() == 12);
+  CHECK_THAT(err, Catch::Contains("cut short"));
+  // an intact shard reports nothing
+  pack_image_folder(po);
+  err.clear();
+  CHECK(list_tar(find_shards(dir / "out/train").at(0), &err).size() == 24);
+  CHECK(err.empty());
 }
 
-TEST_CASE("a tar member whose size field is near 2^64 ends the shard index with a reason", "[data][shards]") {
+TEST_CASE("a tar member whose size field is near 2^64 ends the shard index with a reason", "[data][shards][fault]") {
   // One header block (valid checksum) with a GNU base-256 size, then a few data blocks.
   auto header = [](const std::string& name, char type, uint64_t size) {
     std::string h(512, '\0');

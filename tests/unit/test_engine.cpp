@@ -2,6 +2,7 @@
 // checkpoint format's owner round-trips every field.
 #include "core/error.h"
 #include "engine/checkpoint.h"
+#include "engine/run_folder.h"
 #include "engine/evaluate.h"
 #include "engine/train_loop.h"
 #include "io/weights.h"
@@ -218,10 +219,10 @@ TEST_CASE("the checkpoint format round-trips every field and tensor", "[engine][
   io::save_safetensors(d / "bad.safetensors", io::state_dict(*model), {{"epoch", "seven"}});
   CHECK_THROWS_AS(engine::Checkpoint::read(d / "bad.safetensors"), UserError);
 
-  // --resume auto: the most updates wins; at a tie the end-of-epoch file beats the recovery one;
-  // unreadable files and plain weights are passed over.
+  // --resume auto: the most updates first; at a tie the end-of-epoch file before the recovery
+  // one; unreadable files and plain weights are passed over.
   test::TempDir run("run");
-  CHECK(engine::find_latest_checkpoint(run.path.string()) == "");
+  CHECK(engine::find_checkpoints(run.path.string()).empty());
   auto at = [&](const std::string& name, int64_t updates, bool recovery) {
     engine::CheckpointMeta k = m;
     k.num_updates = updates;
@@ -232,7 +233,90 @@ TEST_CASE("the checkpoint format round-trips every field and tensor", "[engine][
   io::save_safetensors(run / "weights.safetensors", io::state_dict(*model));
   at("recovery-1-3.safetensors", 40, true);
   at("checkpoint-0.safetensors", 30, false);
-  CHECK(engine::find_latest_checkpoint(run.path.string()) == run / "recovery-1-3.safetensors");
+  CHECK(engine::find_checkpoints(run.path.string()) ==
+        std::vector<std::string>{run / "recovery-1-3.safetensors", run / "checkpoint-0.safetensors"});
   at("last.safetensors", 40, false);
-  CHECK(engine::find_latest_checkpoint(run.path.string()) == run / "last.safetensors");
+  CHECK(engine::find_checkpoints(run.path.string()).front() == run / "last.safetensors");
+}
+
+TEST_CASE("a resumed run keeps --checkpoint-hist, one recovery file and one summary row per epoch",
+          "[engine][checkpoint][fault]") {
+  test::TempDir d("hist");
+  auto write = [&](const std::string& name, int64_t epoch, double metric) {
+    engine::CheckpointMeta k;
+    k.arch = "regressor";
+    k.epoch = epoch;
+    k.num_updates = 10 * (epoch + 1);
+    k.metric = metric;
+    engine::write_checkpoint(d / name, k, {});
+  };
+  // an earlier process kept epochs 0..3 (hist was larger then, or it was killed mid-save)
+  write("checkpoint-0.safetensors", 0, 50.0);
+  write("checkpoint-1.safetensors", 1, 70.0);
+  write("checkpoint-2.safetensors", 2, 60.0);
+  write("checkpoint-3.safetensors", 3, 80.0);
+  write("checkpoint-5.safetensors", 5, 99.0);  // beyond the resume point: not adopted, not removed
+  test::write_file(d / "notes.txt", "mine");
+  engine::CheckpointSaver saver(d.path.string(), 2, /*decreasing=*/false);
+  saver.adopt_existing(/*start_epoch=*/4);
+  CHECK_FALSE(std::filesystem::exists(d / "checkpoint-0.safetensors"));
+  CHECK_FALSE(std::filesystem::exists(d / "checkpoint-2.safetensors"));
+  CHECK(std::filesystem::exists(d / "checkpoint-1.safetensors"));
+  CHECK(std::filesystem::exists(d / "checkpoint-3.safetensors"));
+  CHECK(std::filesystem::exists(d / "checkpoint-5.safetensors"));
+  CHECK(std::filesystem::exists(d / "notes.txt"));
+  // the next epoch competes with the adopted ones: 75 displaces 70
+  saver.save(4, 75.0, [&](const std::string& path) { write(path.substr(d.path.string().size() + 1), 4, 75.0); });
+  CHECK_FALSE(std::filesystem::exists(d / "checkpoint-1.safetensors"));
+  CHECK(std::filesystem::exists(d / "checkpoint-4.safetensors"));
+  CHECK(std::filesystem::exists(d / "checkpoint-3.safetensors"));
+
+  // killed between writing last.safetensors and linking it: the resumed run makes the links
+  test::TempDir d2("hist2");
+  auto write2 = [&](const std::string& name, int64_t epoch, double metric, int64_t best_epoch) {
+    engine::CheckpointMeta k;
+    k.arch = "regressor";
+    k.epoch = epoch;
+    k.num_updates = 10 * (epoch + 1);
+    k.metric = metric;
+    k.best_epoch = best_epoch;
+    engine::write_checkpoint(d2 / name, k, {});
+  };
+  write2("checkpoint-0.safetensors", 0, 50.0, 0);
+  write2("model_best.safetensors", 0, 50.0, 0);
+  write2("last.safetensors", 1, 60.0, 1);
+  engine::CheckpointSaver saver2(d2.path.string(), 2, /*decreasing=*/false);
+  saver2.adopt_existing(2);
+  REQUIRE(std::filesystem::exists(d2 / "checkpoint-1.safetensors"));
+  CHECK(engine::Checkpoint::read_meta(d2 / "checkpoint-1.safetensors").epoch == 1);
+  CHECK(engine::Checkpoint::read_meta(d2 / "model_best.safetensors").epoch == 1);
+  CHECK(std::filesystem::exists(d2 / "checkpoint-0.safetensors"));
+
+  // recovery files: one kept after a recovery write, none after an epoch's checkpoint
+  test::write_file(d / "recovery-2-7.safetensors", "x");
+  test::write_file(d / "recovery-4-3.safetensors", "x");
+  saver.prune_recovery(d / "recovery-4-3.safetensors");
+  CHECK_FALSE(std::filesystem::exists(d / "recovery-2-7.safetensors"));
+  CHECK(std::filesystem::exists(d / "recovery-4-3.safetensors"));
+  saver.prune_recovery("");
+  CHECK_FALSE(std::filesystem::exists(d / "recovery-4-3.safetensors"));
+
+  // summary.csv: rows of epochs about to be redone are dropped; a temporary file a killed
+  // process left is removed when the next run takes the folder
+  test::TempDir out("out");
+  {
+    engine::RunFolder folder(out.path.string(), "exp", "", true);
+    folder.append_summary(0, {{"loss", 1.0}}, {{"top1", 10.0}}, 0.1);
+    folder.append_summary(1, {{"loss", 0.5}}, {{"top1", 20.0}}, 0.1);
+    folder.append_summary(2, {{"loss", 0.4}}, {{"top1", 30.0}}, 0.1);
+    test::write_file(folder.path("last.safetensors.tmp.12345"), "partial");
+  }
+  engine::RunFolder folder(out.path.string(), "exp", "", true);
+  CHECK_FALSE(std::filesystem::exists(folder.path("last.safetensors.tmp.12345")));
+  folder.truncate_summary(2);
+  CHECK(test::read_file(folder.path("summary.csv")) ==
+        "epoch,train_loss,eval_top1,lr\n0,1,10,0.1\n1,0.5,20,0.1\n");
+  folder.truncate_summary(5);  // nothing to drop
+  CHECK(test::read_file(folder.path("summary.csv")) ==
+        "epoch,train_loss,eval_top1,lr\n0,1,10,0.1\n1,0.5,20,0.1\n");
 }

@@ -118,6 +118,14 @@ TEST_CASE("model weights load by name and mismatches are listed", "[io][checkpoi
   } catch (const UserError& e) {
     CHECK_THAT(e.what(), Catch::Contains("missing conv1.weight") && Catch::Contains("unexpected extra"));
   }
+  // NaN / infinite weights are refused by name, before anything is copied
+  auto bad = io::load_safetensors(d / "m.safetensors");
+  for (auto& [k, v] : bad.tensors) {
+    if (k == "model.layer1.0.conv1.weight") v = v.clone(), v.view(-1)[3] = NAN;
+    if (k == "model.fc.bias") v = v.clone(), v.view(-1)[0] = INFINITY;
+  }
+  CHECK_THROWS_WITH(io::load_state_dict(*m2, bad, "model.", "m.safetensors"),
+                    Catch::Contains("weights in 'm.safetensors' hold NaN or infinite values: layer1.0.conv1.weight and 1 more"));
 }
 
 TEST_CASE("CheckpointSaver keeps the best N, last and model_best", "[io][checkpoint]") {

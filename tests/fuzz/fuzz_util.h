@@ -1,0 +1,38 @@
+// Shared by the libFuzzer harnesses: what a harness may see from a parser fed hostile bytes.
+// A user error (UserError, DecodeError: one line naming the input) is the parser doing its job;
+// any other exception escaping is a finding, reported by aborting so libFuzzer keeps the input.
+#pragma once
+#include "core/error.h"
+#include "data/dataset.h"
+
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <fstream>
+#include <string>
+#include <unistd.h>
+
+namespace imgtrain::fuzz {
+
+template <typename F>
+void expect_user_errors_only(F&& f) {
+  try {
+    f();
+  } catch (const UserError&) {
+  } catch (const data::DecodeError&) {
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "fuzz finding: not a user error: %s\n", e.what());
+    std::abort();
+  }
+}
+
+// For readers that take a path: the input as a file of this process (in /dev/shm when there is one).
+inline std::string as_file(const uint8_t* data, size_t size, const char* suffix) {
+  static const std::string dir = access("/dev/shm", W_OK) == 0 ? "/dev/shm" : "/tmp";
+  const std::string path = dir + "/imgtrain-fuzz-" + std::to_string(getpid()) + suffix;
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  f.write(reinterpret_cast<const char*>(data), std::streamsize(size));
+  return path;
+}
+
+}  // namespace imgtrain::fuzz
