@@ -42,7 +42,7 @@ struct Flag {
 std::string positive(double v) { return v > 0 ? "" : "a positive number"; }
 std::string non_negative(double v) { return v >= 0 ? "" : "a number >= 0"; }
 std::string probability(double v) { return v >= 0 && v <= 1 ? "" : "a number in [0, 1]"; }
-std::string crop_range(double v) { return v > 0 && v <= 1 ? "" : "a number in (0, 1]"; }
+std::string crop_range(double v) { return v >= 0.05 && v <= 1 ? "" : "a number in [0.05, 1]"; }
 std::string smoothing_range(double v) { return v >= 0 && v < 1 ? "" : "a number in [0, 1)"; }
 // Limits that keep a typo from becoming an allocation of terabytes or a hundred thousand threads;
 // each is far beyond what a real run uses.

@@ -221,18 +221,22 @@ struct Mapper {
 }  // namespace
 
 namespace {
-// Keys at any depth must be plain names (a list or a mapping as a key is valid YAML).
-void check_keys(const YAML::Node& n, const std::string& path, const std::string& what, int depth) {
+// Keys at any depth must be plain names (a list or a mapping as a key is valid YAML). Aliases make
+// a small file a huge tree ("billion laughs"): at most 100,000 values are looked at.
+void check_keys(const YAML::Node& n, const std::string& path, const std::string& what, int depth, size_t& budget) {
   if (depth > 64) throw UserError(fmt::format("{} '{}': nested more than 64 levels deep", what, path));
+  if (budget-- == 0)
+    throw UserError(fmt::format("{} '{}': more than 100000 values (aliases expanding?); a config is a few hundred",
+                                what, path));
   if (n.IsMap()) {
     for (auto it : n) {
       if (!it.first.IsScalar())
         throw UserError(fmt::format("{} '{}': line {}: a key must be a name, not a list or a mapping", what, path,
                                     it.first.Mark().line + 1));
-      check_keys(it.second, path, what, depth + 1);
+      check_keys(it.second, path, what, depth + 1, budget);
     }
   } else if (n.IsSequence()) {
-    for (auto e : n) check_keys(e, path, what, depth + 1);
+    for (auto e : n) check_keys(e, path, what, depth + 1, budget);
   }
 }
 }  // namespace
@@ -252,7 +256,8 @@ YAML::Node load_yaml_file(const std::string& path, const std::string& what) {
     throw UserError(fmt::format("{} '{}': holds {} YAML documents ('---' separators); one config per file is read",
                                 what, path, docs.size()));
   YAML::Node root = docs.empty() ? YAML::Node() : docs[0];
-  check_keys(root, path, what, 0);
+  size_t budget = 100000;
+  check_keys(root, path, what, 0, budget);
   return root;
 }
 

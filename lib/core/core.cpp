@@ -42,11 +42,18 @@ static size_t edit_distance(const std::string& a, const std::string& b) {
 
 std::vector<std::string> closest_names(const std::string& name, const std::vector<std::string>& names,
                                        size_t n) {
-  std::vector<std::pair<size_t, std::string>> scored;
+  if (n == 0) return {};
+  std::vector<std::pair<size_t, std::string>> scored;  // the best n so far, sorted
   // a typo is short; a 10,000-character "name" (a pasted file) is scored by its start
   const std::string head = name.substr(0, 64);
-  for (auto& c : names) scored.emplace_back(edit_distance(head, c), c);
-  std::sort(scored.begin(), scored.end());
+  for (auto& c : names) {
+    // the length difference bounds the distance from below: most candidates need no table
+    const size_t bound = head.size() > c.size() ? head.size() - c.size() : c.size() - head.size();
+    if (scored.size() >= n && std::pair{bound, c} >= scored.back()) continue;
+    scored.emplace_back(edit_distance(head, c), c);
+    std::sort(scored.begin(), scored.end());
+    if (scored.size() > n) scored.pop_back();
+  }
   std::vector<std::string> out;
   for (size_t i = 0; i < scored.size() && i < n; ++i) out.push_back(scored[i].second);
   return out;

@@ -231,6 +231,8 @@ std::string read_segmentation(const json& s, Annotation& a, std::string& detail,
         if (!v.is_number()) return "a polygon that is not a list of numbers";
         xy.push_back(v.get<double>());
         if (!std::isfinite(xy.back())) return "a polygon that is not a list of numbers";
+        // pycocotools would walk every point of a 10^9-pixel edge (or overflow its int cast)
+        if (std::abs(xy.back()) > 1e6) return "a polygon coordinate beyond 1,000,000 pixels";
       }
       if (xy.size() % 2 && odd) *odd = true;  // pycocotools' frPoly reads len / 2 points: the last is ignored
       a.polygons.push_back(std::move(xy));

@@ -367,6 +367,9 @@ cv::Mat decode_image(const std::string& bytes, const std::string& what) {
   if (is_jpeg(bytes)) return decode_jpeg(bytes, 1, what);
   const std::string format = image_format(bytes);
 #ifdef IMGTRAIN_WITH_IMGCODECS
+  // OpenCV tries every decoder it has on unknown bytes, and some abort the process on bad input
+  // (GDCM's DICOM reader asserts): only the formats imgtrain reads reach it.
+  if (format.empty()) throw DecodeError(fmt::format("cannot decode '{}': not an image (no known image header)", what));
   const std::string data = format == "PNG" ? png_without_iccp(bytes, what) : std::string();
   const std::string& src = format == "PNG" ? data : bytes;
   cv::Mat raw;

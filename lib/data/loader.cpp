@@ -1,5 +1,7 @@
 #include "data/loader.h"
 
+#include "core/error.h"
+
 #include "core/log.h"
 #include "core/rng.h"
 
@@ -225,6 +227,7 @@ void Loader::start_epoch(int64_t epoch, size_t first_batch) {
   skipped_epoch_ = 0;
   ready_.clear();
   worker_error_.reset();
+  worker_user_error_ = false;
   stopping_ = false;
   for (int64_t t = 0; t < opt_.workers; ++t) threads_.emplace_back([this] { worker_loop(); });
 }
@@ -241,14 +244,18 @@ void Loader::worker_loop() {
     }
     Batch batch;
     std::optional<std::string> err;
+    bool user = false;
     try {
       batch = make_batch(b);
+    } catch (const UserError& e) {
+      err = e.what();
+      user = true;
     } catch (const std::exception& e) {
       err = e.what();
     }
     {
       std::lock_guard<std::mutex> lk(mu_);
-      if (err && !worker_error_) worker_error_ = err;
+      if (err && !worker_error_) worker_error_ = err, worker_user_error_ = user;
       ready_[b] = std::move(batch);
     }
     cv_done_.notify_all();
@@ -272,8 +279,8 @@ std::optional<size_t> Loader::load_sample(size_t key, int64_t& skipped,
       ++skipped;
       if (!opt_.refill_unreadable) return std::nullopt;
       if (attempt + 1 >= kMaxConsecutiveUnreadable)
-        throw std::runtime_error(fmt::format("{} unreadable images in a row (the last: {}); is the data readable?",
-                                             kMaxConsecutiveUnreadable, e.what()));
+        throw UserError(fmt::format("{} unreadable images in a row (the last: {}); is the data readable?",
+                                    kMaxConsecutiveUnreadable, e.what()));
       idx = (idx + 1) % ds_->size();  // timm: the next index takes its place
     }
   }
@@ -358,7 +365,10 @@ std::optional<Batch> Loader::next() {
   } else {
     std::unique_lock<std::mutex> lk(mu_);
     cv_done_.wait(lk, [&] { return ready_.count(next_batch_) > 0; });
-    if (worker_error_) throw std::runtime_error("data loader: " + *worker_error_);
+    if (worker_error_) {
+      if (worker_user_error_) throw UserError(*worker_error_);
+      throw std::runtime_error("data loader: " + *worker_error_);
+    }
     b = std::move(ready_[next_batch_]);
     ready_.erase(next_batch_);
     ++next_batch_;

@@ -142,6 +142,7 @@ class Loader {
   std::condition_variable cv_work_, cv_done_;
   std::map<size_t, Batch> ready_;
   std::optional<std::string> worker_error_;
+  bool worker_user_error_ = false;  // the data's fault (UserError), reported as such
   size_t next_to_make_ = 0;
   bool stopping_ = false;
   std::vector<std::thread> threads_;

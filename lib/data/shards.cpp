@@ -112,10 +112,18 @@ ShardSamples scan_shard(const std::string& path) {
       if (is_image_ext(ext) && !image) image = &members[i];
       if (ext == "cls" && members[i].size < 64) {
         try {
-          const std::string text = read_range(f, members[i].offset, members[i].size);
-          size_t used = 0;
-          const long long v = std::stoll(text, &used);
-          if (v >= 0 && v < kMaxLabel) label = v;  // (a label of 2^63-1 would make the class count wrap)
+          // WebDataset's int(): optional surrounding whitespace and sign, then digits only ("1e2",
+          // "1.5", "0x1", "2abc" are refused, not read by their prefix)
+          std::string text = read_range(f, members[i].offset, members[i].size);
+          const size_t b = text.find_first_not_of(" \t\r\n"), e = text.find_last_not_of(" \t\r\n");
+          text = b == std::string::npos ? "" : text.substr(b, e - b + 1);
+          const size_t digits = text.find_first_not_of("+-") == 1 || text.empty() ? 1 : 0;
+          if (!text.empty() && text.find_first_not_of("0123456789", digits) == std::string::npos &&
+              text.size() > digits) {
+            size_t used = 0;
+            const long long v = std::stoll(text, &used);
+            if (v >= 0 && v < kMaxLabel) label = v;  // (a label of 2^63-1 would make the class count wrap)
+          }
         } catch (const std::exception&) {
         }
       }
@@ -333,9 +341,14 @@ PackResult pack_image_folder(const PackOptions& o) {
       static const char zeros[2 * kBlock] = {};
       shard.write(zeros, sizeof zeros);
       shard.close();
-      if (!shard) throw UserError(fmt::format("cannot write '{}'", shard_path));
-      fs::rename(shard_path + ".tmp", shard_path);
+      std::error_code rec;
+      if (shard) fs::rename(shard_path + ".tmp", shard_path, rec);
+      if (!shard || rec) {
+        fs::remove(shard_path + ".tmp", rec);  // no partial shard left behind
+        throw UserError(fmt::format("cannot write '{}' (disk full?)", shard_path));
+      }
     };
+    const int64_t samples_before = res.samples;
     for (size_t i = 0; i < ds->size(); ++i) {
       std::string bytes, ext;
       try {
@@ -374,7 +387,7 @@ PackResult pack_image_folder(const PackOptions& o) {
       ++res.samples;
     }
     finish();
-    if (o.log) o.log(fmt::format("{}: {} samples in {} shard(s)", out_dir, ds->size(), shard_idx + 1));
+    if (o.log) o.log(fmt::format("{}: {} samples in {} shard(s)", out_dir, res.samples - samples_before, shard_idx + 1));
   }
   return res;
 }

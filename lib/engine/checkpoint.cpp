@@ -88,17 +88,24 @@ CheckpointMeta CheckpointMeta::from_metadata(const std::map<std::string, std::st
   auto get_int = [&](const char* k) {
     return get_number(k, +[](const std::string& s, size_t* n) -> int64_t { return std::stoll(s, n); }, "an integer");
   };
+  // The ranges the flags accept (a hand-edited or foreign header must not reach the model or the
+  // schedule with a size of -3 or an epoch of -5).
+  auto in_range = [&](const char* k, auto v, double lo, double hi, const char* expected) {
+    if (v && !(double(*v) >= lo && double(*v) <= hi)) throw bad(k, fmt::format("{}", *v), expected);
+    return v;
+  };
   auto get_double = [&](const char* k) {
     return get_number(k, +[](const std::string& s, size_t* n) { return std::stod(s, n); }, "a number");
   };
   if (auto* s = get("arch")) m.arch = *s;
   if (auto* s = get("task")) m.task = *s;
-  m.num_classes = get_int("num_classes");
-  m.in_chans = get_int("in_chans");
-  m.img_size = get_int("img_size");
+  m.num_classes = in_range("num_classes", get_int("num_classes"), 1, 1e6, "an integer in [1, 1000000]");
+  m.in_chans = in_range("in_chans", get_int("in_chans"), 1, 3, "1 or 3");
+  if (m.in_chans == 2) throw bad("in_chans", "2", "1 or 3");
+  m.img_size = in_range("img_size", get_int("img_size"), 1, 8192, "an integer in [1, 8192]");
   if (auto* s = get("global_pool")) m.global_pool = *s;
-  m.crop_pct = get_double("crop_pct");
-  m.epoch = get_int("epoch");
+  m.crop_pct = in_range("crop_pct", get_double("crop_pct"), 0.05, 1, "a number in [0.05, 1]");
+  m.epoch = get_int("epoch");  // the training position: checked where it is used (require_training)
   m.num_updates = get_int("num_updates");
   m.recovery_update = get_int("recovery_update");
   m.metric = get_double("metric");
@@ -168,6 +175,15 @@ void Checkpoint::require_training(const std::string& flag, const std::string& ar
     throw UserError(fmt::format("{} '{}': checkpoint is a {}, but --model is {}", flag, path_, meta_.arch, arch));
   if (!meta_.epoch) throw missing("epoch");
   if (!meta_.num_updates) throw missing("num_updates");
+  // a position a run can continue from (a foreign or hand-edited header must not restart at epoch -5)
+  auto bad = [&](const char* k, int64_t v, const char* expected) {
+    return UserError(fmt::format("{} '{}': metadata '{}' is {}, expected {}", flag, path_, k, v, expected));
+  };
+  if (*meta_.epoch < 0 || *meta_.epoch > 999999) throw bad("epoch", *meta_.epoch, "an integer in [0, 999999]");
+  if (*meta_.num_updates < 0) throw bad("num_updates", *meta_.num_updates, "an integer >= 0");
+  if (meta_.recovery_update && *meta_.recovery_update < 0)
+    throw bad("recovery_update", *meta_.recovery_update, "an integer >= 0");
+  if (meta_.best_epoch && *meta_.best_epoch < -1) throw bad("best_epoch", *meta_.best_epoch, "an integer >= -1");
 }
 
 std::vector<std::string> find_checkpoints(const std::string& dir) {

@@ -7,12 +7,19 @@
 #include "tasks/classification/classification.h"
 #include "tasks/detection/detection.h"
 
+#include <fmt/ranges.h>
+
 namespace imgtrain::tasks {
 namespace {
 
-void check_labels(const data::Dataset& ds, int64_t num_classes, const std::string& what) {
+// `from`: where num_classes came from, when not from --num-classes ("the train split", a checkpoint)
+void check_labels(const data::Dataset& ds, int64_t num_classes, const std::string& what,
+                  const std::string& from = "") {
   if (ds.num_classes() > num_classes)
-    throw UserError(fmt::format("--num-classes {}: the {} split has {} classes", num_classes, what, ds.num_classes()));
+    throw UserError(from.empty() ? fmt::format("--num-classes {}: the {} split has {} classes", num_classes, what,
+                                               ds.num_classes())
+                                 : fmt::format("the {} split has {} classes, but {} has {}", what, ds.num_classes(),
+                                               from, num_classes));
 }
 
 // What checkpoints record about a classification model (enough to rebuild it).
@@ -37,7 +44,16 @@ TaskSetup classification_setup(const cli::Config& cfg, int64_t rank, int64_t wor
   s.eval = data::create_dataset(cfg.dataset, cfg.data_dir, cfg.val_split);
   const int64_t num_classes = cfg.num_classes.value_or(s.train->num_classes());
   check_labels(*s.train, num_classes, "train");
-  check_labels(*s.eval, num_classes, "validation");
+  check_labels(*s.eval, num_classes, "validation", cfg.num_classes ? "" : "the train split");
+  // ImageFolder labels are each split's sorted folder names: different folders shift the labels
+  // (timm does the same, silently)
+  if (s.train->class_names() != s.eval->class_names() && !s.eval->class_names().empty() &&
+      s.eval->class_names().size() <= s.train->class_names().size() &&
+      !std::equal(s.eval->class_names().begin(), s.eval->class_names().end(), s.train->class_names().begin()))
+    log::warn("the validation split's classes ({}) are not the train split's ({}): labels follow each split's own "
+              "sorted folder names, so they do not match",
+              fmt::join(s.eval->class_names(), ", "), fmt::join(s.train->class_names(), ", "));
+
   if ((cfg.mixup > 0 || cfg.cutmix > 0 || !cfg.cutmix_minmax.empty()) && cfg.batch_size % 2)
     throw UserError(fmt::format("--batch-size {}: mixup/cutmix mixes each sample with its mirror and needs an even "
                                 "batch size", cfg.batch_size));
@@ -125,7 +141,8 @@ TaskSetup classification_validate_setup(const cli::Config& cfg, const engine::Ch
   const auto& dc = s.data;
   s.eval = data::create_dataset(cfg.dataset, cfg.data_dir, cfg.split);
   const int64_t num_classes = cfg.num_classes.value_or(m.num_classes.value_or(s.eval->num_classes()));
-  check_labels(*s.eval, num_classes, cfg.split);
+  check_labels(*s.eval, num_classes, cfg.split,
+               cfg.num_classes || !m.num_classes ? "" : fmt::format("the checkpoint '{}'", cfg.checkpoint));
 
   ClassificationOptions co;
   co.model = arch;

@@ -8,7 +8,7 @@
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   namespace fs = std::filesystem;
   static const std::string dir = [] {
-    const std::string d = (fs::path(imgtrain::fuzz::as_file(nullptr, 0, ".dir")).string()) + "d";
+    const std::string d = imgtrain::fuzz::scratch_path(".shards");
     fs::create_directories(d);
     return d;
   }();

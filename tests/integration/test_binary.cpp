@@ -409,6 +409,14 @@ TEST_CASE("each family trains, exports, and timm reproduces the outputs from the
 
 namespace {
 // Every tensor of the two checkpoints' model/EMA/optimizer state is bitwise equal.
+// Runs `cmd` while a watcher keeps a hard link `keep` to `file` as soon as it appears: recovery
+// files are renamed into place whole and removed by the next one (or the epoch's checkpoint), so
+// this is the file a kill at that point would have left.
+test::RunResult run_keeping(const std::string& cmd, const std::string& file, const std::string& keep) {
+  return test::run("(" + cmd + " & pid=$!; for t in $(seq 60000); do ln " + file + " " + keep +
+                   " 2>/dev/null && break; kill -0 $pid 2>/dev/null || break; sleep 0.01; done; wait $pid)");
+}
+
 void expect_same_state(const fs::path& a, const fs::path& b) {
   auto sa = io::load_safetensors(a), sb = io::load_safetensors(b);
   size_t n = 0;
@@ -430,20 +438,22 @@ TEST_CASE("resume is exact: 2 epochs straight equal 1 + resume + 1, and a mid-ep
   const std::string args = " train --data-dir " + data + kSmallArgs + " -b 20 --model-ema --model-ema-decay 0.9 " +
                            "--drop-path 0.1 --mixup 0.2 --opt adamw --lr 1e-3 --sched-on-updates --warmup-epochs 1 " +
                            "--output " + out.path.string();
-  auto a = test::run(kBin + args + " --epochs 2 --recovery-interval 3 --experiment straight");
+  // 10 updates per epoch, recovery after updates 2, 5 and 8 of each epoch; epoch 1's last one kept
+  const std::string straight = out / "straight";
+  auto a = run_keeping(kBin + args + " --epochs 2 --recovery-interval 3 --experiment straight",
+                       straight + "/recovery-1-8.safetensors", out / "kept.safetensors");
   INFO(a.output);
   REQUIRE(a.code == 0);
+  CHECK_FALSE(fs::exists(straight + "/recovery-1-8.safetensors"));  // superseded by last.safetensors
   auto b = test::run(kBin + args + " --epochs 1 --experiment split");
   REQUIRE(b.code == 0);
   auto c = test::run(kBin + args + " --epochs 2 --experiment split --resume " + (out / "split/last.safetensors"));
   INFO(c.output);
   REQUIRE(c.code == 0);
   expect_same_state(out / "straight/last.safetensors", out / "split/last.safetensors");
-  // 10 updates per epoch, recovery after updates 2, 5 and 8 of each epoch: epoch 1's last one remains
-  REQUIRE(fs::exists(out / "straight/recovery-1-8.safetensors"));
-  CHECK_FALSE(fs::exists(out / "straight/recovery-1-5.safetensors"));
-  auto r = test::run(kBin + args + " --epochs 2 --experiment rec --resume " +
-                     (out / "straight/recovery-1-8.safetensors"));
+  REQUIRE(fs::exists(out / "kept.safetensors"));
+  CHECK(engine::Checkpoint::read_meta(out / "kept.safetensors").recovery_update == 8);
+  auto r = test::run(kBin + args + " --epochs 2 --experiment rec --resume " + (out / "kept.safetensors"));
   INFO(r.output);
   REQUIRE(r.code == 0);
   CHECK_THAT(r.output, Catch::Contains("Train: 1 [   9/10"));
@@ -651,6 +661,14 @@ TEST_CASE("a checkpoint's bad metadata is blamed on the checkpoint, not on a fla
   CHECK_THAT(r.output, !Catch::Contains("--gp"));
   auto e = test::run(kBin + " export --checkpoint " + (d / "gp.safetensors") + " --out " + (d / "x.safetensors"));
   expect_user_error(e, "metadata 'global_pool' 'bogus'");
+  // a plain state dict with a NaN is not exported (no architecture to check it against)
+  auto sd = io::state_dict(*model);
+  sd[3].second = sd[3].second.clone();
+  sd[3].second.view(-1)[0] = NAN;
+  io::save_safetensors(d / "nan.safetensors", sd);
+  auto n = test::run(kBin + " export --checkpoint " + (d / "nan.safetensors") + " --out " + (d / "y.safetensors"));
+  expect_user_error(n, "tensor '" + sd[3].first + "' holds NaN or infinite values");
+  CHECK_FALSE(fs::exists(d / "y.safetensors"));
 }
 
 TEST_CASE("every recipe in configs/ parses and trains (shrunk to a few steps on small images)", "[integration]") {
@@ -912,12 +930,13 @@ TEST_CASE("Mask R-CNN with apex O2 and a static loss scale of 64 trains and resu
   const std::string args = " train --data-dir " + data + kDetArgs +
                            " --amp-opt-level O2 --loss-scale 64 --max-iter 4 --box-detections-per-img 20 --output " +
                            out.path.string();
-  auto a = test::run(kBin + args + " --recovery-interval 2 --experiment straight");
+  auto a = run_keeping(kBin + args + " --recovery-interval 2 --experiment straight",
+                       out / "straight/recovery-0-1.safetensors", out / "kept.safetensors");
   INFO(a.output);
   REQUIRE(a.code == 0);
   CHECK_THAT(a.output, Catch::Contains("static 64 loss scaling") && Catch::Contains("loss_mask: "));
-  REQUIRE(fs::exists(out / "straight/recovery-0-1.safetensors"));
-  auto c = test::run(kBin + args + " --experiment rec --resume " + (out / "straight/recovery-0-1.safetensors"));
+  REQUIRE(fs::exists(out / "kept.safetensors"));
+  auto c = test::run(kBin + args + " --experiment rec --resume " + (out / "kept.safetensors"));
   INFO(c.output);
   REQUIRE(c.code == 0);
   CHECK_THAT(c.output, Catch::Contains("Train: 0 [   3/12") && !Catch::Contains("Train: 0 [   0/12"));

@@ -149,6 +149,15 @@ TEST_CASE("config file errors name the key and the file", "[cli][fault]") {
   CHECK_THAT(error_of({"-c", d / "nested.yaml"}), Catch::Contains("key 'scale'") && Catch::Contains("not of lists"));
   test::write_file(d / "deep.yaml", "scale: " + std::string(100, '[') + std::string(100, ']') + "\n");
   CHECK_THAT(error_of({"-c", d / "deep.yaml"}), Catch::Contains("nested more than 64 levels"));
+  // "billion laughs": 10 levels of 9 aliases each, 390 bytes, 9^10 values once expanded
+  std::string laughs = "a: &a [x, x, x, x, x, x, x, x, x]\n";
+  for (char c = 'b'; c <= 'j'; ++c) {
+    laughs += fmt::format("{}: &{} [", c, c);
+    for (int k = 0; k < 9; ++k) laughs += fmt::format("{}*{}", k ? ", " : "", char(c - 1));
+    laughs += "]\n";
+  }
+  test::write_file(d / "laughs.yaml", laughs);
+  CHECK_THAT(error_of({"-c", d / "laughs.yaml"}), Catch::Contains("more than 100000 values"));
 }
 
 TEST_CASE("sizes, counts and lengths are refused outside a sane range, with the range named", "[cli][fault]") {

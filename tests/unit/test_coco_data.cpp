@@ -116,6 +116,21 @@ TEST_CASE("COCO training view: torchvision's filtering, id order, contiguous lab
   CHECK(pair->size() == 4);
 }
 
+TEST_CASE("a polygon far outside any image keeps its box and loses its mask, instead of stopping the evaluator",
+          "[data][coco][fault]") {
+  // found by fuzz_coco_json: the rasteriser refused the coordinate with an exception no caller expects
+  const std::string gt = R"({"images": [{"id": 1, "file_name": "a.jpg", "height": 20, "width": 30}],
+    "categories": [{"id": 1, "name": "x"}],
+    "annotations": [{"id": 7, "image_id": 1, "category_id": 1, "bbox": [2, 3, 10, 5], "area": 50, "iscrowd": 0,
+                     "segmentation": [[2, 3, 1e100, 3, 12, 8, 2, 8]]}]})";
+  const auto d = coco::parse_dataset(gt, "g.json");
+  REQUIRE(d.annotations.size() == 1);
+  CHECK(d.annotations[0].seg == coco::SegKind::none);
+  REQUIRE_FALSE(d.warnings.empty());
+  CHECK_THAT(d.warnings[0], Catch::Contains("beyond 1,000,000 pixels") && Catch::Contains("7"));
+  CHECK(coco::rle_area(coco::ann_to_rle(d.annotations[0], 20, 30)) == 0);
+}
+
 TEST_CASE("COCO layout errors name what was looked for", "[data][coco]") {
   CocoFolder f;
   auto msg = user_error([&] { open_coco(f.dir.path.string(), "val", "", {}); });

@@ -163,6 +163,10 @@ TEST_CASE("decompression bombs are refused from the header, and resizes that wou
     for (int b = 0; b < 4; ++b) big[size_t(16 + 4 * k + b)] = char((side >> (24 - 8 * b)) & 0xff);
   CHECK(header_size(big) == cv::Size(20000, 20000));
   CHECK_THAT(msg([&] { decode_image(big, "big.png"); }), Catch::Contains("above the limit"));
+  // bytes of no format imgtrain reads never reach OpenCV's other decoders (GDCM's DICOM reader
+  // aborted the process on this one, found by fuzz_image)
+  const std::string dicom = std::string(128, 'y') + "DICM" + std::string("\x37\x01\x00\x2a\x00", 5) + std::string(40, 'y');
+  CHECK_THAT(msg([&] { decode_image(dicom, "scan.dcm"); }), Catch::Contains("not an image"));
   // --max-image-pixels moves the limit (0: none), process-wide as PIL's Image.MAX_IMAGE_PIXELS
   set_max_image_pixels(16);
   CHECK(decode_image(png, "small.png").cols == 4);
@@ -449,7 +453,7 @@ TEST_CASE("training refills skipped images from the next index and stops when no
     while (dead.next()) {
     }
     FAIL("an unreadable split must stop the loader");
-  } catch (const std::runtime_error& e) {
+  } catch (const UserError& e) {  // the data's fault: one line, exit code 2
     CHECK_THAT(std::string(e.what()), Catch::Contains("50 unreadable images in a row"));
   }
 }
@@ -720,6 +724,41 @@ TEST_CASE("a corrupt image inside a shard is skipped and counted, and a truncate
   err.clear();
   CHECK(list_tar(find_shards(dir / "out/train").at(0), &err).size() == 24);
   CHECK(err.empty());
+}
+
+TEST_CASE("tar .cls labels are read as Python's int() reads them, not by their numeric prefix", "[data][shards][fault]") {
+  auto member = [](const std::string& name, const std::string& data) {
+    std::string h(512, '\0');
+    h.replace(0, name.size(), name);
+    h.replace(100, 7, "0000644");
+    h.replace(108, 7, "0000000");
+    h.replace(116, 7, "0000000");
+    h.replace(124, 11, fmt::format("{:011o}", data.size()));
+    h.replace(136, 11, "00000000000");
+    h[156] = '0';
+    h.replace(257, 6, std::string("ustar\0", 6));
+    h.replace(263, 2, "00");
+    h.replace(148, 8, "        ");
+    uint64_t sum = 0;
+    for (unsigned char c : h) sum += c;
+    h.replace(148, 7, fmt::format("{:06o}", sum) + std::string(1, '\0'));
+    return h + data + std::string((512 - data.size() % 512) % 512, '\0');
+  };
+  const std::string jpg = encode(make_image(8, 8, 3), ".jpg");
+  const std::vector<std::pair<std::string, bool>> labels = {
+      {"1", true}, {" 2\n", true}, {"+2", true}, {"-0", true}, {"1e2", false}, {"1.5", false}, {"0x1", false},
+      {"2abc", false}, {"1 2", false}, {"", false}, {"-3", false}, {"1000000", false}, {"9223372036854775807", false}};
+  std::string tar;
+  for (size_t i = 0; i < labels.size(); ++i)
+    tar += member(fmt::format("{:04d}.jpg", i), jpg) + member(fmt::format("{:04d}.cls", i), labels[i].first);
+  tar += std::string(1024, '\0');
+  test::TempDir d("cls");
+  test::write_file(d / "train/shard-000000.tar", tar);
+  auto ds = create_dataset("", d.path.string(), "train");
+  size_t accepted = 0;
+  for (auto& [text, ok] : labels) accepted += ok;
+  CHECK(ds->size() == accepted);
+  CHECK(ds->num_classes() == 3);  // labels 1, 2, 2, 0
 }
 
 TEST_CASE("a tar member whose size field is near 2^64 ends the shard index with a reason", "[data][shards][fault]") {

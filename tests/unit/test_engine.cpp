@@ -218,6 +218,24 @@ TEST_CASE("the checkpoint format round-trips every field and tensor", "[engine][
   CHECK_THROWS_WITH(plain.require_training("--resume", "regressor"), Catch::Contains("no 'arch'"));
   io::save_safetensors(d / "bad.safetensors", io::state_dict(*model), {{"epoch", "seven"}});
   CHECK_THROWS_AS(engine::Checkpoint::read(d / "bad.safetensors"), UserError);
+  // numbers outside what the flags accept are refused by key, naming the file
+  for (auto [k, v] : std::vector<std::pair<std::string, std::string>>{
+           {"img_size", "-3"}, {"img_size", "100000"}, {"crop_pct", "0"}, {"crop_pct", "nan"}, {"num_classes", "0"},
+           {"in_chans", "2"}}) {
+    INFO(k << " = " << v);
+    CHECK_THROWS_WITH(engine::CheckpointMeta::from_metadata({{k, v}}, "x.safetensors"),
+                      Catch::Contains("'x.safetensors': metadata '" + k + "' is '"));
+  }
+  // and a training position --resume could not continue from
+  for (auto [k, v] : std::vector<std::pair<std::string, std::string>>{
+           {"epoch", "-5"}, {"epoch", "1000000000"}, {"num_updates", "-1"}, {"recovery_update", "-2"}}) {
+    INFO(k << " = " << v);
+    auto md = m.to_metadata();
+    md[k] = v;
+    io::save_safetensors(d / "pos.safetensors", io::state_dict(*model), md);
+    CHECK_THROWS_WITH(engine::Checkpoint::read(d / "pos.safetensors").require_training("--resume", "regressor"),
+                      Catch::Contains("metadata '" + k + "' is " + v + ", expected"));
+  }
 
   // --resume auto: the most updates first; at a tie the end-of-epoch file before the recovery
   // one; unreadable files and plain weights are passed over.
