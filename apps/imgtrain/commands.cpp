@@ -153,7 +153,7 @@ int export_weights(const std::vector<std::string>& args) {
   std::vector<std::pair<std::string, at::Tensor>> tensors;
   for (auto& [k, v] : ck.tensors().tensors)
     if (prefix.empty() || k.rfind(prefix, 0) == 0) {
-      if (at::isFloatingType(v.scalar_type()) && v.numel() && !at::isfinite(v).all().item<bool>())
+      if (!io::all_finite(v))
         throw UserError(fmt::format("'{}': tensor '{}' holds NaN or infinite values; not exported", ckpt, k));
       tensors.emplace_back(k.substr(prefix.size()), v);
     }

@@ -42,7 +42,8 @@ struct Flag {
 std::string positive(double v) { return v > 0 ? "" : "a positive number"; }
 std::string non_negative(double v) { return v >= 0 ? "" : "a number >= 0"; }
 std::string probability(double v) { return v >= 0 && v <= 1 ? "" : "a number in [0, 1]"; }
-std::string crop_range(double v) { return v >= 0.05 && v <= 1 ? "" : "a number in [0.05, 1]"; }
+// above 1: the resized image is smaller than the crop, which pads it (timm / torchvision CenterCrop)
+std::string crop_range(double v) { return v >= 0.05 && v <= 2 ? "" : "a number in [0.05, 2]"; }
 std::string smoothing_range(double v) { return v >= 0 && v < 1 ? "" : "a number in [0, 1)"; }
 // Limits that keep a typo from becoming an allocation of terabytes or a hundred thousand threads;
 // each is far beyond what a real run uses.
@@ -53,6 +54,7 @@ std::string thread_count(double v) { return v >= 0 && v <= 512 ? "" : "an intege
 std::string epoch_count(double v) { return v >= 1 && v <= 1e6 ? "" : "an integer in [1, 1000000]"; }
 std::string epoch_index(double v) { return v >= 0 && v < 1e6 ? "" : "an integer in [0, 999999]"; }
 std::string batch_count(double v) { return v >= 1 && v <= 65536 ? "" : "an integer in [1, 65536]"; }
+std::string update_count(double v) { return v >= 0 && v <= 1e9 ? "" : "an integer in [0, 1000000000]"; }
 
 const std::vector<Flag>& flags() {
   static const std::vector<Flag> f = {
@@ -214,7 +216,7 @@ const std::vector<Flag>& flags() {
       {"output", "", &Config::output, "Output folder root (default: ./output/train)", TRAIN},
       {"experiment", "", &Config::experiment, "Name of the run's folder under --output", TRAIN},
       {"recovery-interval", "", &Config::recovery_interval,
-       "Write a recovery checkpoint every N updates (resumable mid-epoch; 0: off)", TRAIN, {}, non_negative},
+       "Write a recovery checkpoint every N updates (resumable mid-epoch; 0: off)", TRAIN, {}, update_count},
       {"eval-metric", "", &Config::eval_metric,
        "Metric that picks the best checkpoint: one the task's evaluator reports (classification: top1, top5, loss)",
        TRAIN},

@@ -3,6 +3,7 @@
 #include "core/error.h"
 
 #include <fmt/format.h>
+#include <yaml-cpp/eventhandler.h>
 #include <yaml-cpp/yaml.h>
 
 #include <cmath>
@@ -12,6 +13,7 @@
 #include <map>
 #include <optional>
 #include <set>
+#include <sstream>
 
 namespace imgtrain::cli {
 namespace {
@@ -241,21 +243,58 @@ void check_keys(const YAML::Node& n, const std::string& path, const std::string&
 }
 }  // namespace
 
+namespace {
+// yaml-cpp (0.7 and 0.8) never consumes a stray ',' (or ',]', ',}') at the start of a document: the
+// parser reports the same empty document again and again, so YAML::LoadAll loops, allocating until
+// memory runs out (upstream jbeder/yaml-cpp#1040, fixed after 0.8 by #1319), and YAML::Load quietly
+// returns null. One pass over the events finds it: a document that starts where the previous one
+// started made no progress. The same pass counts documents without building them.
+struct DocumentCounter : YAML::EventHandler {
+  std::vector<YAML::Mark> starts;
+  void OnDocumentStart(const YAML::Mark& m) override { starts.push_back(m); }
+  void OnDocumentEnd() override {}
+  void OnNull(const YAML::Mark&, YAML::anchor_t) override {}
+  void OnAlias(const YAML::Mark&, YAML::anchor_t) override {}
+  void OnScalar(const YAML::Mark&, const std::string&, YAML::anchor_t, const std::string&) override {}
+  void OnSequenceStart(const YAML::Mark&, const std::string&, YAML::anchor_t, YAML::EmitterStyle::value) override {}
+  void OnSequenceEnd() override {}
+  void OnMapStart(const YAML::Mark&, const std::string&, YAML::anchor_t, YAML::EmitterStyle::value) override {}
+  void OnMapEnd() override {}
+};
+}  // namespace
+
 YAML::Node load_yaml_file(const std::string& path, const std::string& what) {
   std::error_code ec;
   if (fs::is_directory(path, ec)) throw UserError(fmt::format("{} '{}': a folder, not a file", what, path));
   std::ifstream f(path, std::ios::binary);
   if (!f) throw UserError(fmt::format("{} '{}': cannot read the file", what, path));
-  std::vector<YAML::Node> docs;
+  constexpr size_t kMaxBytes = size_t(16) << 20;
+  std::string text(kMaxBytes + 1, '\0');
+  f.read(text.data(), std::streamsize(text.size()));
+  text.resize(size_t(f.gcount()));
+  if (text.size() > kMaxBytes)
+    throw UserError(fmt::format("{} '{}': larger than 16 MiB; a config is a few kilobytes", what, path));
+  YAML::Node root;
   try {
-    docs = YAML::LoadAll(f);
+    std::istringstream in(text);
+    YAML::Parser parser(in);
+    DocumentCounter counter;
+    while (counter.starts.size() < 3 && parser.HandleNextDocument(counter)) {
+      const auto& s = counter.starts;
+      if (s.size() >= 2 && s[s.size() - 1].pos == s[s.size() - 2].pos) {
+        const YAML::Mark m = s.back();
+        const char c = size_t(m.pos) < text.size() ? text[size_t(m.pos)] : ' ';
+        throw UserError(fmt::format("{} '{}': not valid YAML (line {}, column {}: unexpected '{}')", what, path,
+                                    m.line + 1, m.column + 1, c));
+      }
+    }
+    if (counter.starts.size() > 1)
+      throw UserError(fmt::format("{} '{}': holds {}{} YAML documents ('---' separators); one config per file is read",
+                                  what, path, counter.starts.size() >= 3 ? "at least " : "", counter.starts.size()));
+    root = YAML::Load(text);
   } catch (const YAML::Exception& e) {
     throw UserError(fmt::format("{} '{}': not valid YAML ({})", what, path, e.what()));
   }
-  if (docs.size() > 1)
-    throw UserError(fmt::format("{} '{}': holds {} YAML documents ('---' separators); one config per file is read",
-                                what, path, docs.size()));
-  YAML::Node root = docs.empty() ? YAML::Node() : docs[0];
   size_t budget = 100000;
   check_keys(root, path, what, 0, budget);
   return root;

@@ -64,6 +64,17 @@ namespace {
 std::mutex g_mu;
 int g_rank = 0;
 FILE* g_file = nullptr;
+// Lines logged before the run folder exists (set-up, model, learning rate) are kept and written
+// first when the first log file opens, so log.txt holds the whole run. Bounded: a command that
+// never opens a file keeps only its first lines.
+bool g_buffering = true;
+std::vector<std::string> g_early;
+constexpr size_t kMaxEarly = 512;
+
+void to_file(const std::string& text) {
+  if (g_file) std::fprintf(g_file, "%s\n", text.c_str()), std::fflush(g_file);
+  else if (g_buffering && g_early.size() < kMaxEarly) g_early.push_back(text);
+}
 }  // namespace
 
 void set_rank(int rank) { g_rank = rank; }
@@ -72,6 +83,12 @@ void set_file(const std::string& path) {
   std::lock_guard<std::mutex> lk(g_mu);
   if (g_file) std::fclose(g_file);
   g_file = path.empty() ? nullptr : std::fopen(path.c_str(), "a");
+  if (!g_file) return;
+  for (const auto& l : g_early) std::fprintf(g_file, "%s\n", l.c_str());
+  std::fflush(g_file);
+  g_early.clear();
+  g_early.shrink_to_fit();
+  g_buffering = false;
 }
 
 void write_info(const std::string& line) {
@@ -79,14 +96,14 @@ void write_info(const std::string& line) {
   std::lock_guard<std::mutex> lk(g_mu);
   std::fprintf(stdout, "%s\n", line.c_str());
   std::fflush(stdout);
-  if (g_file) std::fprintf(g_file, "%s\n", line.c_str()), std::fflush(g_file);
+  to_file(line);
 }
 
 void write_warning(const std::string& line) {
   std::lock_guard<std::mutex> lk(g_mu);
   std::fprintf(stderr, "WARNING: %s\n", line.c_str());
   std::fflush(stderr);
-  if (g_file) std::fprintf(g_file, "WARNING: %s\n", line.c_str()), std::fflush(g_file);
+  to_file("WARNING: " + line);
 }
 
 }  // namespace log

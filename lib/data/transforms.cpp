@@ -142,7 +142,7 @@ struct CenterCrop {
   std::string interp;
 };
 CenterCrop center_crop_params(const TransformConfig& tc) {
-  if (!tc.train) return {int(std::floor(tc.size / tc.crop_pct)), tc.interpolation};
+  if (!tc.train) return {std::max(1, int(std::floor(tc.size / tc.crop_pct))), tc.interpolation};
   return {tc.size, tc.interpolation == "random" ? "bilinear" : tc.interpolation};
 }
 

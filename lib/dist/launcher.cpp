@@ -266,22 +266,17 @@ int launch(const LaunchOptions& o, const std::vector<std::string>& argv) {
   for (auto& a : args) cargv.push_back(a.data());
   cargv[0] = exe;
   cargv.push_back(nullptr);
-  std::vector<std::vector<std::string>> envs;
-  std::vector<std::vector<char*>> cenvs;
-  for (int64_t i = 0; i < o.nproc_per_node; ++i) envs.push_back(worker_env(o, i, port, run_id));
-  for (auto& e : envs) {
-    cenvs.emplace_back();
-    for (auto& kv : e) cenvs.back().push_back(kv.data());
-    cenvs.back().push_back(nullptr);
-  }
-
   // The workers' user errors come back through a pipe (IMGTRAIN_ERROR_FD) rather than their
   // stderr, so that N workers refusing the same input print one line, not N.
   int err_pipe[2];
   if (pipe2(err_pipe, O_CLOEXEC) != 0)
     throw std::runtime_error(fmt::format("launcher: pipe failed ({})", std::strerror(errno)));
-  for (auto& e : envs) e.push_back(fmt::format("IMGTRAIN_ERROR_FD={}", err_pipe[1]));
-  cenvs.clear();
+  std::vector<std::vector<std::string>> envs;
+  std::vector<std::vector<char*>> cenvs;
+  for (int64_t i = 0; i < o.nproc_per_node; ++i) {
+    envs.push_back(worker_env(o, i, port, run_id));
+    envs.back().push_back(fmt::format("IMGTRAIN_ERROR_FD={}", err_pipe[1]));
+  }
   for (auto& e : envs) {
     cenvs.emplace_back();
     for (auto& kv : e) cenvs.back().push_back(kv.data());

@@ -59,6 +59,7 @@ std::map<std::string, std::string> CheckpointMeta::to_metadata() const {
   put_double("best_metric", best_metric);
   put_int("best_epoch", best_epoch);
   if (!plateau.empty()) md["plateau"] = plateau;
+  if (!loss_meters.empty()) md["loss_meters"] = loss_meters;
   if (!args.empty()) md["args"] = args;
   return md;
 }
@@ -104,7 +105,7 @@ CheckpointMeta CheckpointMeta::from_metadata(const std::map<std::string, std::st
   if (m.in_chans == 2) throw bad("in_chans", "2", "1 or 3");
   m.img_size = in_range("img_size", get_int("img_size"), 1, 8192, "an integer in [1, 8192]");
   if (auto* s = get("global_pool")) m.global_pool = *s;
-  m.crop_pct = in_range("crop_pct", get_double("crop_pct"), 0.05, 1, "a number in [0.05, 1]");
+  m.crop_pct = in_range("crop_pct", get_double("crop_pct"), 0.05, 2, "a number in [0.05, 2]");
   m.epoch = get_int("epoch");  // the training position: checked where it is used (require_training)
   m.num_updates = get_int("num_updates");
   m.recovery_update = get_int("recovery_update");
@@ -112,6 +113,7 @@ CheckpointMeta CheckpointMeta::from_metadata(const std::map<std::string, std::st
   m.best_metric = get_double("best_metric");
   m.best_epoch = get_int("best_epoch");
   if (auto* s = get("plateau")) m.plateau = *s;
+  if (auto* s = get("loss_meters")) m.loss_meters = *s;
   if (auto* s = get("args")) m.args = *s;
   if (auto v = get_int("version")) m.version = *v;
   return m;

@@ -33,6 +33,9 @@ struct CheckpointMeta {
   std::optional<double> metric, best_metric;
   std::optional<int64_t> best_epoch;
   std::string plateau;  // the plateau scheduler's "lr best num_bad"
+  // A mid-epoch checkpoint: the epoch's running loss averages so far ("name sum count;..."), so the
+  // epoch's train_loss after a resume is the average over all of its updates.
+  std::string loss_meters;
   std::string args;     // args.yaml of the run
   int64_t version = 2;
 

@@ -43,7 +43,7 @@ struct Run {
 
   // One checkpoint file: everything --resume needs to continue exactly.
   void write(const std::string& path, int64_t epoch, double metric, double best_metric, int64_t best_epoch,
-             std::optional<int64_t> recovery_update) const {
+             std::optional<int64_t> recovery_update, const LossMeters& meters = {}) const {
     CheckpointMeta meta = setup.model_meta;
     meta.epoch = epoch;
     meta.num_updates = num_updates;
@@ -53,6 +53,7 @@ struct Run {
     meta.best_epoch = best_epoch;
     const auto p = scheduler->plateau_state();
     meta.plateau = fmt::format("{} {} {}", p.lr, p.best, p.num_bad);
+    meta.loss_meters = format_loss_meters(meters);
     meta.args = args_yaml;
     TrainStateRefs s;
     s.model = model.get();
@@ -126,6 +127,7 @@ struct ResumePoint {
   int64_t start_epoch = 0, start_update = 0;
   at::Tensor rng;  // restored last, after anything that draws
   std::string plateau;
+  LossMeters meters;  // a mid-epoch point: the epoch's loss averages so far
   std::optional<Checkpoint> checkpoint;  // kept for the EMA, which is created after the model's resume
 };
 
@@ -153,6 +155,7 @@ ResumePoint resume(Run& r, const cli::Config& cfg, std::optional<Checkpoint> che
   if (m.recovery_update) {
     --p.start_epoch;  // a mid-epoch recovery point: the same epoch, from the next update
     p.start_update = *m.recovery_update + 1;
+    p.meters = parse_loss_meters(m.loss_meters, fmt::format("--resume '{}'", path));
   }
   p.plateau = m.plateau;
   r.num_updates = *m.num_updates;
@@ -312,11 +315,11 @@ int fit(const cli::Config& given_cfg, torch::Device device, dist::Context* ctx) 
   // resuming from one continues with the next update of the same epoch.
   std::string last_recovery;
   lopt.recovery_interval = cfg.recovery_interval;
-  lopt.save_recovery = [&](int64_t update_idx) {
+  lopt.save_recovery = [&](int64_t update_idx, const LossMeters& meters) {
     if (!primary) return;
     const std::string path = run.path(fmt::format("recovery-{}-{}.safetensors", lopt.epoch, update_idx));
     r.write(path, lopt.epoch, saver.best_metric.value_or(0.0), saver.best_metric.value_or(0.0), saver.best_epoch,
-            update_idx);
+            update_idx, meters);
     saver.prune_recovery(path);  // also those an earlier, killed process of this run left
     last_recovery = path;
   };
@@ -337,6 +340,7 @@ int fit(const cli::Config& given_cfg, torch::Device device, dist::Context* ctx) 
   EvalResult last_eval, last_model_eval;  // last_eval is the EMA's when EMA is on (timm's metric)
   for (int64_t epoch = start_epoch; epoch < num_epochs; ++epoch) {
     lopt.start_update = epoch == start_epoch ? rp.start_update : 0;
+    lopt.start_meters = epoch == start_epoch ? rp.meters : LossMeters{};
     lopt.epoch = epoch;
     const auto res = train_one_epoch(task, *r.model, train_loader, *r.optimizer, r.ema.get(), r.num_updates, lopt);
     if (res.stopped_by) {
@@ -389,8 +393,12 @@ int fit(const cli::Config& given_cfg, torch::Device device, dist::Context* ctx) 
     }
   }
   if (saver.best_metric) log::info("*** Best metric: {} (epoch {})", *saver.best_metric, saver.best_epoch);
-  log::info("Training time: {:.1f} min for epochs {}..{}",
-            std::chrono::duration<double>(Clock::now() - fit_start).count() / 60.0, start_epoch, num_epochs - 1);
+  if (start_epoch >= num_epochs)  // e.g. resumed from a run's end: a timm user raises --epochs to go on
+    log::info("Nothing trained: training starts at epoch {} and --epochs is {} (raise --epochs to continue)",
+              start_epoch, num_epochs);
+  else
+    log::info("Training time: {:.1f} min for epochs {}..{}",
+              std::chrono::duration<double>(Clock::now() - fit_start).count() / 60.0, start_epoch, num_epochs - 1);
   if (last_eval.count && task.name() == "classification") {  // the README's headline number
     if (r.ema && !cfg.model_ema_force_cpu)
       log::info("Final test accuracy: {:.4f} (EMA; the model itself {:.4f}; top-1 of the last epoch on {} images)",

@@ -23,9 +23,28 @@ std::string default_experiment(const std::string& model, int64_t img_size) {
   return fmt::format("{}-{}-{}", buf, model, img_size);
 }
 
+namespace {
+// The run's folder is under --output: an --experiment may name a sub-folder ("ablation/lr0.1"), but
+// not climb out of it or replace it ("../x", "/abs", "", ".").
+const std::string& checked_experiment(const std::string& experiment) {
+  const fs::path p(experiment);
+  bool climbs = p.is_absolute() || p.has_root_name() || p.has_root_directory();
+  bool named = false;
+  for (const auto& part : p) {
+    climbs = climbs || part == "..";
+    named = named || (part != "." && !part.empty());
+  }
+  if (climbs || !named)
+    throw UserError(fmt::format("--experiment '{}': a folder name under --output (no '..', not absolute)",
+                                experiment));
+  return experiment;
+}
+}  // namespace
+
 RunFolder::RunFolder(const std::string& output, const std::string& experiment, const std::string& args_yaml,
                      bool primary)
-    : dir_((fs::path(output.empty() ? "./output/train" : output) / experiment).string()), primary_(primary) {
+    : dir_((fs::path(output.empty() ? "./output/train" : output) / checked_experiment(experiment)).string()),
+      primary_(primary) {
   if (!primary_) return;
   std::error_code ec;
   fs::create_directories(dir_, ec);

@@ -9,6 +9,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <sstream>
 #ifdef IMGTRAIN_WITH_CUDA
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -96,6 +97,28 @@ void clip_gradients(std::vector<at::Tensor> params, double value, const std::str
   }
 }
 
+std::string format_loss_meters(const LossMeters& m) {
+  std::string out;
+  for (const auto& [k, a] : m) out += fmt::format("{}{} {:.17g} {}", out.empty() ? "" : ";", k, a.sum, a.count);
+  return out;
+}
+
+LossMeters parse_loss_meters(const std::string& text, const std::string& what) {
+  LossMeters out;
+  std::istringstream all(text);
+  std::string item;
+  while (std::getline(all, item, ';')) {
+    std::istringstream in(item);
+    std::string name, rest;
+    AverageMeter m;
+    if (!(in >> name >> m.sum >> m.count) || (in >> rest) || !std::isfinite(m.sum) || m.count < 0)
+      throw UserError(fmt::format("{}: metadata 'loss_meters' has '{}', expected 'name sum count' items", what,
+                                  item.substr(0, 80)));
+    out.emplace_back(name, m);
+  }
+  return out;
+}
+
 EpochResult train_one_epoch(Task& task, torch::nn::Module& model, data::Loader& loader, optim::Optimizer& optimizer,
                             ModelEma* ema, int64_t& num_updates, const LoopOptions& o) {
   EpochResult res;
@@ -108,7 +131,27 @@ EpochResult train_one_epoch(Task& task, torch::nn::Module& model, data::Loader& 
   const int64_t updates_per_epoch = (n_batches + o.accum_steps - 1) / o.accum_steps;
   const int64_t last_batch_idx_to_accum = n_batches - last_accum;
   AverageMeter update_time, data_time, losses;
-  std::vector<std::pair<std::string, AverageMeter>> parts;  // the task's named loss parts
+  LossMeters parts;  // the task's named loss parts
+  if (first_batch > 0) {  // resumed mid-epoch: the averages carry on from the recovery checkpoint
+    for (const auto& [k, m] : o.start_meters) {
+      if (k == "loss") losses = m;
+      else parts.emplace_back(k, m);
+    }
+  }
+  // A recovery checkpoint's meters: each rank keeps its own averages (timm's); the checkpoint holds
+  // their mean, so equal per-rank counts (the sampler's) give the same epoch average after a resume.
+  auto recovery_meters = [&] {
+    LossMeters all{{"loss", losses}};
+    all.insert(all.end(), parts.begin(), parts.end());
+    if (o.dist) {
+      std::vector<double> v;
+      for (auto& [k, m] : all) v.push_back(m.sum), v.push_back(double(m.count));
+      v = o.dist->mean(v);
+      for (size_t i = 0; i < all.size(); ++i)
+        all[i].second.sum = v[2 * i], all[i].second.count = int64_t(std::llround(v[2 * i + 1]));
+    }
+    return all;
+  };
   // Gradient all-reduces this epoch: all of the group's minus the trainer's own.
   const int64_t grad_reduces0 = o.dist ? o.dist->allreduce_calls() - o.dist->own_allreduce_calls() : 0;
   int64_t updates_done = 0, micro_batches = 0;
@@ -208,7 +251,7 @@ EpochResult train_one_epoch(Task& task, torch::nn::Module& model, data::Loader& 
     }
     if (o.save_recovery && o.recovery_interval && (update_idx + 1) % o.recovery_interval == 0 && !last_batch &&
         !run_ends)
-      o.save_recovery(update_idx);
+      o.save_recovery(update_idx, recovery_meters());
     if (o.scheduler)  // timm's lr_scheduler.step_update(num_updates) after the log line
       if (auto lr = o.scheduler->on_update(num_updates)) optimizer.set_lr(*lr);
     update_samples = 0;
@@ -219,7 +262,7 @@ EpochResult train_one_epoch(Task& task, torch::nn::Module& model, data::Loader& 
       if (o.dist ? o.dist->any(sig != 0) : sig != 0) {
         res.stopped_by = sig ? sig : SIGTERM;
         res.stopped_after = update_idx;
-        if (o.save_recovery) o.save_recovery(update_idx);
+        if (o.save_recovery) o.save_recovery(update_idx, recovery_meters());
         break;
       }
     }

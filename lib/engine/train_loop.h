@@ -8,6 +8,7 @@
 #include "dist/dist.h"
 #include "engine/amp.h"
 #include "engine/ema.h"
+#include "core/meter.h"
 #include "engine/task.h"
 #include "optim/optim.h"
 
@@ -15,6 +16,13 @@
 #include <optional>
 
 namespace imgtrain::engine {
+
+// The epoch's running loss averages by name ("loss" first, then the task's parts), and their text
+// form in a recovery checkpoint ("name sum count;..."; parse_loss_meters throws UserError naming
+// `what` on malformed text).
+using LossMeters = std::vector<std::pair<std::string, AverageMeter>>;
+std::string format_loss_meters(const LossMeters& m);
+LossMeters parse_loss_meters(const std::string& text, const std::string& what);
 
 struct LoopOptions {
   int64_t epoch = 0;
@@ -31,9 +39,11 @@ struct LoopOptions {
   const optim::Scheduler* scheduler = nullptr;
   MasterWeights* master = nullptr;  // O2: the optimizer steps these float32 copies
   int64_t start_update = 0;         // resume inside the epoch (a recovery checkpoint)
+  LossMeters start_meters;          // ... with the epoch's loss averages up to there
   int64_t max_updates = 0;          // > 0: the run ends after this many updates (--max-iter), mid-epoch too
   int64_t recovery_interval = 0;    // --recovery-interval: save_recovery after every N updates
-  std::function<void(int64_t update_idx)> save_recovery;
+  // The meters: "loss" and the task's parts, averaged over the ranks (every rank calls it).
+  std::function<void(int64_t update_idx, const LossMeters& meters)> save_recovery;
   // Data parallel: collectives (loss averages for the log) and the gradient reducer; null alone.
   dist::Context* dist = nullptr;
   dist::GradSync* grad_sync = nullptr;

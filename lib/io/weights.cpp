@@ -38,6 +38,10 @@ std::string weights_prefix(const SafeTensors& st, bool prefer_ema) {
   return "";
 }
 
+bool all_finite(const at::Tensor& t) {
+  return !at::isFloatingType(t.scalar_type()) || t.numel() == 0 || at::isfinite(t).all().item<bool>();
+}
+
 void load_state_dict(torch::nn::Module& m, const SafeTensors& st, const std::string& prefix, const std::string& what,
                      const std::set<std::string>& keep) {
   std::map<std::string, const at::Tensor*> src;
@@ -79,7 +83,7 @@ void load_state_dict(torch::nn::Module& m, const SafeTensors& st, const std::str
   for (auto& [k, t] : dst) {
     if (keep.count(k)) continue;
     const at::Tensor& v = *src[k];
-    if (at::isFloatingType(v.scalar_type()) && v.numel() && !at::isfinite(v).all().item<bool>()) non_finite.push_back(k);
+    if (!all_finite(v)) non_finite.push_back(k);
   }
   if (!non_finite.empty())
     throw UserError(fmt::format("weights in '{}' hold NaN or infinite values: {}{}", what, non_finite.front(),

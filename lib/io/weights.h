@@ -21,6 +21,10 @@ SafeTensors load_weights_file(const std::string& path);
 // Parameters and buffers under their module paths: timm's state dict.
 std::vector<std::pair<std::string, at::Tensor>> state_dict(const torch::nn::Module& m);
 
+// False when a floating-point tensor holds a NaN or an infinity (weights that would only surface
+// later as "training diverged"); other dtypes are always finite.
+bool all_finite(const at::Tensor& t);
+
 // Copies tensors named `prefix + key` into the module; every key must match by name and shape
 // (except model keys in `keep`, which keep their values), otherwise a UserError lists what is
 // missing, unexpected or of the wrong shape.

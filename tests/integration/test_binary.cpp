@@ -49,6 +49,10 @@ TEST_CASE("trains far above chance, validates, resumes at the next epoch, loads 
                  "log.txt"})
     CHECK(fs::exists(run + "/" + f));
   CHECK_THAT(r.output, Catch::Contains("Train: 2 [  39/40 (100%)]") && Catch::Contains("*** Best metric:"));
+  // log.txt holds the whole run, the lines before the run folder existed too
+  const std::string log_txt = test::read_file(run + "/log.txt");
+  CHECK_THAT(log_txt, Catch::Contains("Model resnet18 created, param count:") && Catch::Contains("Scheduled epochs") &&
+                          Catch::Contains("*** Best metric:"));
   auto rows = test::read_csv(run + "/summary.csv");
   REQUIRE(rows.size() == 4);
   CHECK(rows[0] == std::vector<std::string>{"epoch", "train_loss", "eval_loss", "eval_top1", "eval_top5", "lr"});
@@ -93,6 +97,7 @@ TEST_CASE("trains far above chance, validates, resumes at the next epoch, loads 
                          out.path.string() + " --experiment again");
   INFO(again.output);
   CHECK(again.code == 0);
+  CHECK_THAT(again.output, Catch::Contains("Nothing trained: training starts at epoch 4 and --epochs is 4"));
 
   // The checkpoint loads into timm (strict) and gives the same outputs.
   REQUIRE(fs::exists(kPython));  // scripts/setup.sh --test installs timm there
@@ -459,6 +464,11 @@ TEST_CASE("resume is exact: 2 epochs straight equal 1 + resume + 1, and a mid-ep
   CHECK_THAT(r.output, Catch::Contains("Train: 1 [   9/10"));
   CHECK_THAT(r.output, !Catch::Contains("Train: 1 [   0/10"));
   expect_same_state(out / "straight/last.safetensors", out / "rec/last.safetensors");
+  // epoch 1's summary row, train_loss included (the average over all 10 updates, not the last 1)
+  const auto sa = test::read_csv(out / "straight/summary.csv"), sr = test::read_csv(out / "rec/summary.csv");
+  REQUIRE(sa.size() == 3);
+  REQUIRE(sr.size() == 2);
+  CHECK(sr[1] == sa[2]);
 }
 
 TEST_CASE("max-iter ends the run after that many updates, mid-epoch, with torch's milestones", "[integration]") {
@@ -581,7 +591,8 @@ TEST_CASE("kill -9 at 20 points, each followed by --resume auto: bitwise the uni
   REQUIRE(b.size() == a.size());
   for (size_t r = 0; r < a.size(); ++r) {
     CHECK(b[r].at(0) == a[r].at(0));
-    for (size_t c = 2; c < a[r].size(); ++c) CHECK(b[r].at(c) == a[r].at(c));  // eval columns and lr
+    // train_loss too: a recovery checkpoint carries the epoch's running loss average
+    for (size_t c = 1; c < a[r].size(); ++c) CHECK(b[r].at(c) == a[r].at(c));
   }
   int checkpoints = 0, recoveries = 0, temporaries = 0;
   for (auto& e : fs::directory_iterator(dir)) {

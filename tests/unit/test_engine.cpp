@@ -337,4 +337,10 @@ TEST_CASE("a resumed run keeps --checkpoint-hist, one recovery file and one summ
   folder.truncate_summary(5);  // nothing to drop
   CHECK(test::read_file(folder.path("summary.csv")) ==
         "epoch,train_loss,eval_top1,lr\n0,1,10,0.1\n1,0.5,20,0.1\n");
+  // --experiment names a folder under --output, never one outside it
+  for (const char* bad : {"../x", "a/../../x", "/tmp/x", ".", ""})
+    CHECK_THROWS_WITH(engine::RunFolder(out.path.string(), bad, "", true),
+                      Catch::Contains("a folder name under --output"));
+  engine::RunFolder nested(out.path.string(), "ablation/lr0.1", "", true);
+  CHECK(std::filesystem::is_directory(out / "ablation/lr0.1"));
 }
