@@ -8,6 +8,7 @@
 #include "dist/launcher.h"
 #include "engine/checkpoint.h"
 #include "engine/commands.h"
+#include "engine/run_folder.h"
 #include "io/weights.h"
 #include "model_zoo/registry.h"
 #include "tasks/detection/coco_eval.h"
@@ -183,6 +184,39 @@ uint64_t parse_size(const std::string& s) {
   return uint64_t(v * it->second);
 }
 }  // namespace
+
+int plot(const std::vector<std::string>& args) {
+  // run folders as plain arguments (a folder name may hold a comma, which cxxopts' lists split)
+  std::vector<std::string> runs;
+  std::string out;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    if (a == "-h" || a == "--help") {
+      std::puts("usage: imgtrain plot RUN_DIR [RUN_DIR ...] [-o OUT.png]\n\n"
+                "Draws the runs' training curves from their summary.csv (train loss, eval metric, lr over epochs)\n"
+                "into one PNG; several runs are overlaid, a colour each. Default output: curves.png in the run's\n"
+                "folder for one run, ./curves.png for several.");
+      return 0;
+    }
+    if (a == "-o" || a == "--out") {
+      if (i + 1 >= args.size()) throw UserError(fmt::format("plot: {} needs a file name", a));
+      out = args[++i];
+    } else if (a.rfind("--out=", 0) == 0) {
+      out = a.substr(6);
+    } else if (!a.empty() && a[0] == '-') {
+      throw UserError(fmt::format("plot: unknown flag '{}' (expected -o OUT.png)", a));
+    } else {
+      runs.push_back(a);
+    }
+  }
+  if (runs.empty()) throw UserError("plot needs at least one run folder (one with a summary.csv)");
+  if (out.empty()) out = runs.size() == 1 ? runs[0] + "/curves.png" : "curves.png";
+  if (out.size() < 4 || out.substr(out.size() - 4) != ".png")
+    throw UserError(fmt::format("plot: -o '{}': expected a file name ending in .png", out));
+  engine::plot_runs(runs, out);
+  std::printf("Wrote %s (%zu run(s))\n", out.c_str(), runs.size());
+  return 0;
+}
 
 int pack(const std::vector<std::string>& args) {
   cxxopts::Options opts("imgtrain pack", "Convert an ImageFolder into tar shards (WebDataset layout: <key>.jpg + <key>.cls)");

@@ -29,6 +29,7 @@ const char* kUsage =
     "  models      list models: imgtrain models ['resnet*'] [--verbose]\n"
     "  export      write a checkpoint's weights as a plain timm state dict (safetensors)\n"
     "  pack        convert an ImageFolder into tar shards (WebDataset layout)\n"
+    "  plot        draw runs' training curves into one picture: imgtrain plot RUN_DIR... [-o curves.png]\n"
     "  evaluate-coco  score COCO detection results (pycocotools' COCOeval numbers, faster)\n"
     "  coco-info   check a COCO instances json and its images before training on it\n"
     "\n"
@@ -62,11 +63,12 @@ int main(int argc, char** argv) {
     if (cmd == "models") return imgtrain::app::models(args);
     if (cmd == "export") return imgtrain::app::export_weights(args);
     if (cmd == "pack") return imgtrain::app::pack(args);
+    if (cmd == "plot") return imgtrain::app::plot(args);
     if (cmd == "evaluate-coco") return imgtrain::app::evaluate_coco(args);
     if (cmd == "coco-info") return imgtrain::app::coco_info(args);
     std::fprintf(stderr,
                  "imgtrain: error: unknown command '%s' (expected train, validate, benchmark, models, export, pack, "
-                 "evaluate-coco or coco-info)\n",
+                 "plot, evaluate-coco or coco-info)\n",
                  cmd.c_str());
     return 2;
   } catch (const imgtrain::UserError& e) {

@@ -11,6 +11,8 @@
 
 #include <cmath>
 #include <map>
+#include <memory>
+#include <mutex>
 #include <cstring>
 #include <iostream>
 #include <set>
@@ -37,6 +39,7 @@ struct Flag {
   size_t nargs = 1;  // for list flags: exact count, 0 = one or more
   bool range = false;      // a list that is a 'low high' range
   bool may_be_empty = false;  // a list that may be left empty (the default is then used)
+  const char* implicit = nullptr;  // a value that may be left out: the flag alone means this
 };
 
 std::string positive(double v) { return v > 0 ? "" : "a positive number"; }
@@ -215,6 +218,9 @@ const std::vector<Flag>& flags() {
       {"checkpoint-hist", "", &Config::checkpoint_hist, "Number of checkpoints to keep", TRAIN, {}, positive},
       {"output", "", &Config::output, "Output folder root (default: ./output/train)", TRAIN},
       {"experiment", "", &Config::experiment, "Name of the run's folder under --output", TRAIN},
+      {"log-tensorboard", "", &Config::log_tensorboard,
+       "Write TensorBoard event files to DIR (the flag alone: the run's folder)", TRAIN, {}, nullptr, 1, false, false,
+       "true"},
       {"recovery-interval", "", &Config::recovery_interval,
        "Write a recovery checkpoint every N updates (resumable mid-epoch; 0: off)", TRAIN, {}, update_count},
       {"eval-metric", "", &Config::eval_metric,
@@ -652,14 +658,20 @@ void apply_dist_url(Config& c) {
 
 }  // namespace
 
-std::optional<Config> parse(Command cmd, const std::vector<std::string>& in_args) {
+namespace {
+const char* command_name(Command cmd) {
+  return cmd == Command::Train ? "imgtrain train" : cmd == Command::Validate ? "imgtrain validate" : "imgtrain benchmark";
+}
+
+// The command's cxxopts parser: 400 flags whose names cxxopts checks with regular expressions, so
+// it is built once per command (a config fuzzer calls parse millions of times).
+std::unique_ptr<cxxopts::Options> make_options(Command cmd) {
   const unsigned bit = command_bit(cmd);
-  const char* name = cmd == Command::Train      ? "imgtrain train"
-                     : cmd == Command::Validate ? "imgtrain validate"
-                                                : "imgtrain benchmark";
-  cxxopts::Options opts(name, cmd == Command::Train      ? "Train an image classification model (timm train.py flags)"
-                              : cmd == Command::Validate ? "Validate a checkpoint (timm validate.py flags)"
-                                                         : "Benchmark a model on synthetic data (timm benchmark.py flags)");
+  auto made = std::make_unique<cxxopts::Options>(
+      command_name(cmd), cmd == Command::Train      ? "Train an image classification model (timm train.py flags)"
+                         : cmd == Command::Validate ? "Validate a checkpoint (timm validate.py flags)"
+                                                    : "Benchmark a model on synthetic data (timm benchmark.py flags)");
+  cxxopts::Options& opts = *made;
   opts.add_options()("c,config", "YAML file of flag defaults (timm args.yaml keys)", cxxopts::value<std::string>())(
       "h,help", "Show this help");
   for (auto& f : flags()) {
@@ -668,6 +680,7 @@ std::optional<Config> parse(Command cmd, const std::vector<std::string>& in_args
     if (std::strlen(f.alias) == 1) spec = std::string(f.alias) + "," + spec;
     auto v = cxxopts::value<std::string>();
     if (std::holds_alternative<bool Config::*>(f.field)) v->implicit_value("true");
+    if (f.implicit) v->implicit_value(f.implicit);
     std::string help = f.help;
     if (std::strlen(f.alias) > 1)  // long and two-letter aliases are rewritten before cxxopts sees them
       help += fmt::format(" (alias: {}{})", f.alias[0] == '-' ? "" : "--", f.alias);
@@ -678,6 +691,19 @@ std::optional<Config> parse(Command cmd, const std::vector<std::string>& in_args
     }
     opts.add_options()(spec, help, v);
   }
+  return made;
+}
+}  // namespace
+
+std::optional<Config> parse(Command cmd, const std::vector<std::string>& in_args) {
+  const unsigned bit = command_bit(cmd);
+  const char* name = command_name(cmd);
+  static std::mutex options_mu;
+  static std::unique_ptr<cxxopts::Options> options[3];
+  std::unique_lock<std::mutex> options_lock(options_mu);
+  auto& slot = options[cmd == Command::Train ? 0 : cmd == Command::Validate ? 1 : 2];
+  if (!slot) slot = make_options(cmd);
+  cxxopts::Options& opts = *slot;
 
   // timm's argparse takes `--scale 0.08 1.0` and two-letter short flags like -vb; cxxopts takes
   // neither, so rewrite them to `--scale=0.08,1.0` and `--validation-batch-size` first.
@@ -691,6 +717,10 @@ std::optional<Config> parse(Command cmd, const std::vector<std::string>& in_args
       if (alias.size() > 1 && a.rfind(alias + "=", 0) == 0) a = std::string("--") + f.name + a.substr(alias.size());
     }
     for (auto& f : flags()) {
+      // an optional value (argparse's nargs='?'): `--log-tensorboard DIR` as `--log-tensorboard=DIR`
+      if (f.implicit && (f.cmds & bit) && a == std::string("--") + f.name && i + 1 < in_args.size() &&
+          !in_args[i + 1].empty() && in_args[i + 1][0] != '-')
+        a += "=" + in_args[++i];
       if (f.nargs != 1 && (f.cmds & bit) && a == std::string("--") + f.name) {
         auto is_value = [](const std::string& t) {
           return !t.empty() && (t[0] != '-' || (t.size() > 1 && (std::isdigit((unsigned char)t[1]) || t[1] == '.')));
@@ -735,6 +765,7 @@ std::optional<Config> parse(Command cmd, const std::vector<std::string>& in_args
     std::cout << opts.help() << std::endl;
     return std::nullopt;
   }
+  options_lock.unlock();
   if (!r.unmatched().empty())
     throw UserError(fmt::format("{}: unexpected argument '{}' (flags start with --)", name, r.unmatched()[0]));
 

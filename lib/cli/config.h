@@ -121,6 +121,8 @@ struct Config {
   int64_t checkpoint_hist = 10;
   std::string output;
   std::string experiment;
+  // --log-tensorboard [DIR]: "" off, "true" (the flag alone) the run's folder, else DIR
+  std::string log_tensorboard;
   std::string eval_metric = "top1";
   std::string config_file;
   // validate / benchmark

@@ -4,6 +4,8 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <unistd.h>
 #include <numbers>
 #include <stdexcept>
 #include <mutex>
@@ -75,7 +77,32 @@ void to_file(const std::string& text) {
   if (g_file) std::fprintf(g_file, "%s\n", text.c_str()), std::fflush(g_file);
   else if (g_buffering && g_early.size() < kMaxEarly) g_early.push_back(text);
 }
+
+bool g_status_shown = false;
+void clear_status() {
+  if (!g_status_shown) return;
+  std::fputs("\r\033[K", stdout);
+  std::fflush(stdout);
+  g_status_shown = false;
+}
 }  // namespace
+
+bool status_enabled() {
+  static const bool tty = [] {
+    const char* env = std::getenv("IMGTRAIN_PROGRESS");
+    if (env && std::string(env) == "0") return false;
+    return ::isatty(::fileno(stdout)) == 1;
+  }();
+  return tty && g_rank == 0;
+}
+
+void status(const std::string& text) {
+  if (!status_enabled()) return;
+  std::lock_guard<std::mutex> lk(g_mu);
+  std::fprintf(stdout, "\r\033[K%s", text.c_str());
+  std::fflush(stdout);
+  g_status_shown = true;
+}
 
 void set_rank(int rank) { g_rank = rank; }
 
@@ -94,6 +121,7 @@ void set_file(const std::string& path) {
 void write_info(const std::string& line) {
   if (g_rank != 0) return;
   std::lock_guard<std::mutex> lk(g_mu);
+  clear_status();
   std::fprintf(stdout, "%s\n", line.c_str());
   std::fflush(stdout);
   to_file(line);
@@ -101,6 +129,7 @@ void write_info(const std::string& line) {
 
 void write_warning(const std::string& line) {
   std::lock_guard<std::mutex> lk(g_mu);
+  clear_status();
   std::fprintf(stderr, "WARNING: %s\n", line.c_str());
   std::fflush(stderr);
   to_file("WARNING: " + line);

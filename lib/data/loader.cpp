@@ -272,15 +272,19 @@ std::optional<size_t> Loader::load_sample(size_t key, int64_t& skipped,
       load(idx, rng);
       return idx;
     } catch (const DecodeError& e) {
+      // every message names the file (a transform's, e.g. a resize above the pixel limit, does not)
+      std::string why = e.what();
+      if (const std::string name = ds_->describe(idx); why.find(name) == std::string::npos)
+        why = fmt::format("'{}': {}", name, why);
       {
         std::lock_guard<std::mutex> lk(warn_mu_);
-        if (warned_.insert(idx).second) log::warn("skipping unreadable image: {}", e.what());
+        if (warned_.insert(idx).second) log::warn("skipping unreadable image: {}", why);
       }
       ++skipped;
       if (!opt_.refill_unreadable) return std::nullopt;
       if (attempt + 1 >= kMaxConsecutiveUnreadable)
         throw UserError(fmt::format("{} unreadable images in a row (the last: {}); is the data readable?",
-                                    kMaxConsecutiveUnreadable, e.what()));
+                                    kMaxConsecutiveUnreadable, why));
       idx = (idx + 1) % ds_->size();  // timm: the next index takes its place
     }
   }

@@ -158,8 +158,9 @@ cv::Mat apply_transform(const cv::Mat& in, const TransformConfig& tc, std::mt199
   return contiguous(train_from_crop(img(cv::Rect(box.left, box.top, box.width, box.height)), tc, rng));
 }
 
-cv::Mat apply_transform_encoded(const std::string& bytes, const TransformConfig& tc, std::mt19937_64& rng,
-                                const std::string& what) {
+namespace {
+cv::Mat transform_encoded(const std::string& bytes, const TransformConfig& tc, std::mt19937_64& rng,
+                          const std::string& what) {
   if (!is_jpeg(bytes)) return apply_transform(decode_image(bytes, what), tc, rng);
   const cv::Size full = jpeg_size(bytes, what);
   if (!tc.train || tc.no_aug) {
@@ -183,6 +184,17 @@ cv::Mat apply_transform_encoded(const std::string& bytes, const TransformConfig&
   }
   cv::Mat crop = decode_jpeg_region(bytes, d, r, what);
   return contiguous(train_from_crop(to_channels(crop, tc.channels), tc, rng));
+}
+}  // namespace
+
+cv::Mat apply_transform_encoded(const std::string& bytes, const TransformConfig& tc, std::mt19937_64& rng,
+                                const std::string& what) {
+  try {
+    return transform_encoded(bytes, tc, rng, what);
+  } catch (const DecodeError& e) {  // the transforms' own refusals (a resize above the limit) name the file too
+    if (std::string(e.what()).find(what) != std::string::npos) throw;
+    throw DecodeError(fmt::format("'{}': {}", what, e.what()));
+  }
 }
 
 }  // namespace imgtrain::data

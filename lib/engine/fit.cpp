@@ -232,6 +232,11 @@ int fit(const cli::Config& given_cfg, torch::Device device, dist::Context* ctx) 
   const RunFolder run(cfg.output, cfg.experiment.empty() ? default_experiment(cfg.model, dc.img_size) : cfg.experiment,
                       r.args_yaml, primary);
   run.open_log();
+  EventWriter events;  // --log-tensorboard (rank 0)
+  if (primary && !cfg.log_tensorboard.empty() && cfg.log_tensorboard != "false") {
+    events = EventWriter(cfg.log_tensorboard == "true" ? run.dir() : cfg.log_tensorboard);
+    log::info("TensorBoard event file: {}", events.path());
+  }
 
   // --resume auto (a restarted or preempted job): the newest checkpoint of this run's folder that
   // reads whole; a damaged newest one (cut short, bad header) falls back to the one before it.
@@ -311,6 +316,7 @@ int fit(const cli::Config& given_cfg, torch::Device device, dist::Context* ctx) 
   lopt.master = r.master.get();
   lopt.dist = ctx;
   lopt.grad_sync = grad_sync.get();
+  lopt.events = &events;
   // --recovery-interval: mid-epoch checkpoints after every N updates (the previous one removed);
   // resuming from one continues with the next update of the same epoch.
   std::string last_recovery;
@@ -338,9 +344,15 @@ int fit(const cli::Config& given_cfg, torch::Device device, dist::Context* ctx) 
 
   const auto fit_start = Clock::now();
   EvalResult last_eval, last_model_eval;  // last_eval is the EMA's when EMA is on (timm's metric)
+  double eval_seconds = 0;                // the last epoch's evaluation time (for the ETA)
   for (int64_t epoch = start_epoch; epoch < num_epochs; ++epoch) {
     lopt.start_update = epoch == start_epoch ? rp.start_update : 0;
     lopt.start_meters = epoch == start_epoch ? rp.meters : LossMeters{};
+    lopt.updates_after_epoch = (num_epochs - epoch - 1) * updates_per_epoch;
+    if (cfg.max_iter)
+      lopt.updates_after_epoch = std::clamp<int64_t>(
+          *cfg.max_iter - r.num_updates - (updates_per_epoch - lopt.start_update), 0, lopt.updates_after_epoch);
+    lopt.eval_seconds_left = eval_seconds * double(num_epochs - epoch);
     lopt.epoch = epoch;
     const auto res = train_one_epoch(task, *r.model, train_loader, *r.optimizer, r.ema.get(), r.num_updates, lopt);
     if (res.stopped_by) {
@@ -360,15 +372,32 @@ int fit(const cli::Config& given_cfg, torch::Device device, dist::Context* ctx) 
       log::warn("epoch {}: skipped {} optimizer step(s) with non-finite gradients (loss scale now {})", epoch,
                 res.skipped_steps, r.scaler ? r.scaler->value() : 0.0);
     eopt.log_suffix = "";
+    const auto eval_start = Clock::now();
     last_eval = last_model_eval = evaluate(task, *r.model, eval_loader, eopt);
     if (r.ema && !cfg.model_ema_force_cpu) {  // as timm: the EMA's metrics are the epoch's
       eopt.log_suffix = " (EMA)";
       last_eval = evaluate(task, r.ema->module(), eval_loader, eopt);
     }
+    eval_seconds = std::chrono::duration<double>(Clock::now() - eval_start).count();
     const double metric = last_eval.get(eval_metric);
     NamedValues train_values{{"loss", res.loss}};
     train_values.insert(train_values.end(), res.parts.begin(), res.parts.end());
     run.append_summary(epoch, train_values, last_eval.metrics, r.optimizer->mean_lr());
+    if (events.enabled()) {  // summary.csv's row (the EMA's metrics when EMA is on), then the model's own
+      for (auto& [k, v] : train_values) events.scalar("epoch/train_" + k, v, epoch);
+      for (auto& [k, v] : last_eval.metrics) events.scalar("epoch/eval_" + k, v, epoch);
+      events.scalar("epoch/lr", r.optimizer->mean_lr(), epoch);
+      if (r.ema && !cfg.model_ema_force_cpu)
+        for (auto& [k, v] : last_model_eval.metrics) events.scalar("epoch/model_eval_" + k, v, epoch);
+      events.flush();
+    }
+    if (primary) {  // curves.png from summary.csv; a picture that cannot be drawn never stops training
+      try {
+        plot_runs({run.dir()}, run.path("curves.png"));
+      } catch (const std::exception& e) {
+        log::warn("curves.png not written: {}", e.what());
+      }
+    }
 
     // timm's lr_scheduler.step(epoch + 1, metric), before the checkpoint so that it holds the
     // plateau scheduler's state after this epoch's metric.

@@ -3,7 +3,9 @@
 #include "core/error.h"
 #include "core/log.h"
 
+#include <array>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <ctime>
 #include <fcntl.h>
@@ -11,6 +13,11 @@
 #include <unistd.h>
 #include <filesystem>
 #include <fstream>
+#include <optional>
+#include <sstream>
+
+#include <opencv2/imgproc.hpp>
+#include <zlib.h>
 
 namespace fs = std::filesystem;
 
@@ -143,6 +150,290 @@ void RunFolder::truncate_summary(int64_t from_epoch) const {
   std::error_code ec;
   fs::rename(tmp, summary, ec);
   if (ec) throw UserError(fmt::format("cannot replace '{}' ({})", summary, ec.message()));
+}
+
+uint32_t crc32c(const void* data, size_t n) {
+  static const auto table = [] {
+    std::array<uint32_t, 256> t{};
+    for (uint32_t i = 0; i < 256; ++i) {
+      uint32_t c = i;
+      for (int k = 0; k < 8; ++k) c = (c & 1) ? (c >> 1) ^ 0x82F63B78u : c >> 1;  // reflected Castagnoli
+      t[i] = c;
+    }
+    return t;
+  }();
+  uint32_t crc = 0xFFFFFFFFu;
+  const auto* p = static_cast<const unsigned char*>(data);
+  for (size_t i = 0; i < n; ++i) crc = table[(crc ^ p[i]) & 0xFF] ^ (crc >> 8);
+  return crc ^ 0xFFFFFFFFu;
+}
+
+namespace {
+uint32_t masked_crc(const std::string& b) {
+  const uint32_t c = crc32c(b.data(), b.size());
+  return ((c >> 15) | (c << 17)) + 0xA282EAD8u;
+}
+// protobuf wire format: what an Event with a scalar Summary needs
+void put_varint(std::string& out, uint64_t v) {
+  while (v >= 0x80) out += char((v & 0x7F) | 0x80), v >>= 7;
+  out += char(v);
+}
+template <typename T>
+void put_fixed(std::string& out, T v) {  // little-endian, as protobuf's fixed32 / fixed64
+  unsigned char b[sizeof(T)];
+  std::memcpy(b, &v, sizeof(T));
+  out.append(reinterpret_cast<const char*>(b), sizeof(T));
+}
+void put_bytes(std::string& out, int field, const std::string& bytes) {
+  put_varint(out, uint64_t(field) << 3 | 2);
+  put_varint(out, bytes.size());
+  out += bytes;
+}
+std::string event_header(double wall_time, int64_t step) {
+  std::string e;
+  put_varint(e, 1 << 3 | 1);  // Event.wall_time: double
+  put_fixed(e, wall_time);
+  put_varint(e, 2 << 3 | 0);  // Event.step: int64
+  put_varint(e, uint64_t(step));
+  return e;
+}
+double wall_seconds() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+}  // namespace
+
+EventWriter::EventWriter(const std::string& dir) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) throw UserError(fmt::format("--log-tensorboard '{}': cannot create the folder ({})", dir, ec.message()));
+  char host[256] = {0};
+  ::gethostname(host, sizeof host - 1);
+  path_ = fmt::format("{}/events.out.tfevents.{}.{}.{}", dir, int64_t(wall_seconds()), host, ::getpid());
+  std::FILE* f = std::fopen(path_.c_str(), "ab");
+  if (!f) throw UserError(fmt::format("--log-tensorboard: cannot create '{}' ({})", path_, std::strerror(errno)));
+  file_ = std::shared_ptr<std::FILE>(f, [](std::FILE* p) { std::fclose(p); });
+  std::string e = event_header(wall_seconds(), 0);
+  put_bytes(e, 3, "brain.Event:2");  // Event.file_version: the first record of every events file
+  record(e);
+  flush();
+}
+
+void EventWriter::record(const std::string& event) {
+  std::string len;
+  put_fixed(len, uint64_t(event.size()));
+  std::string framed = len;
+  put_fixed(framed, masked_crc(len));
+  framed += event;
+  put_fixed(framed, masked_crc(event));
+  std::fwrite(framed.data(), 1, framed.size(), file_.get());
+}
+
+void EventWriter::scalar(const std::string& tag, double value, int64_t step) {
+  if (!file_) return;
+  std::string v;  // Summary.Value{tag = 1, simple_value = 2 (float)}
+  put_bytes(v, 1, tag);
+  put_varint(v, 2 << 3 | 5);
+  put_fixed(v, float(value));
+  std::string summary;  // Summary{repeated Value value = 1}
+  put_bytes(summary, 1, v);
+  std::string e = event_header(wall_seconds(), step);
+  put_bytes(e, 5, summary);  // Event.summary
+  record(e);
+}
+
+void EventWriter::flush() {
+  if (file_) std::fflush(file_.get());
+}
+
+void write_png(const std::string& path, int width, int height, const unsigned char* bgr) {
+  std::string raw;  // each row: filter byte 0, then R G B per pixel
+  raw.reserve(size_t(height) * (size_t(width) * 3 + 1));
+  for (int y = 0; y < height; ++y) {
+    raw += '\0';
+    const unsigned char* row = bgr + size_t(y) * size_t(width) * 3;
+    for (int x = 0; x < width; ++x) raw += char(row[3 * x + 2]), raw += char(row[3 * x + 1]), raw += char(row[3 * x]);
+  }
+  uLongf zn = compressBound(uLong(raw.size()));
+  std::string z(zn, '\0');
+  if (compress2(reinterpret_cast<Bytef*>(z.data()), &zn, reinterpret_cast<const Bytef*>(raw.data()), uLong(raw.size()),
+                6) != Z_OK)
+    throw std::runtime_error("write_png: zlib compress2 failed");
+  z.resize(zn);
+  auto be32 = [](std::string& out, uint32_t v) {
+    for (int k = 3; k >= 0; --k) out += char((v >> (8 * k)) & 0xFF);
+  };
+  std::string png = "\x89PNG\r\n\x1a\n";
+  auto chunk = [&](const char* type, const std::string& data) {
+    be32(png, uint32_t(data.size()));
+    const std::string body = std::string(type, 4) + data;
+    png += body;
+    be32(png, uint32_t(crc32(0, reinterpret_cast<const Bytef*>(body.data()), uInt(body.size()))));
+  };
+  std::string ihdr;
+  be32(ihdr, uint32_t(width));
+  be32(ihdr, uint32_t(height));
+  ihdr += std::string("\x08\x02\x00\x00\x00", 5);  // 8-bit, truecolour, deflate, no filter choice, no interlace
+  chunk("IHDR", ihdr);
+  chunk("IDAT", z);
+  chunk("IEND", "");
+  const std::string tmp = path + fmt::format(".tmp.{}", ::getpid());
+  {
+    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+    f << png;
+    if (!f.flush()) {
+      std::error_code ec;
+      fs::remove(tmp, ec);
+      throw UserError(fmt::format("cannot write '{}' (disk full?)", path));
+    }
+  }
+  fs::rename(tmp, path);
+}
+
+namespace {
+struct Summary {
+  std::string name;
+  std::vector<std::string> columns;
+  std::vector<std::vector<double>> rows;  // NaN where a cell is not a number
+  int column(const std::string& c) const {
+    for (size_t i = 0; i < columns.size(); ++i)
+      if (columns[i] == c) return int(i);
+    return -1;
+  }
+};
+
+std::vector<std::string> split_csv(const std::string& line) {
+  std::vector<std::string> out;
+  std::string cell;
+  std::istringstream in(line);
+  while (std::getline(in, cell, ',')) out.push_back(cell);
+  return out;
+}
+
+std::optional<Summary> read_summary(const std::string& dir) {
+  std::ifstream in(dir + "/summary.csv");
+  std::string line;
+  if (!in || !std::getline(in, line)) return std::nullopt;
+  Summary s;
+  s.name = fs::path(dir).filename().string();
+  if (s.name.empty() || s.name == ".") s.name = fs::path(dir).parent_path().filename().string();
+  s.columns = split_csv(line);
+  if (s.columns.empty() || s.columns[0] != "epoch") return std::nullopt;
+  while (std::getline(in, line)) {
+    const auto cells = split_csv(line);
+    if (cells.size() != s.columns.size()) continue;
+    std::vector<double> row;
+    for (auto& c : cells) {
+      char* end = nullptr;
+      const double v = std::strtod(c.c_str(), &end);
+      row.push_back(end != c.c_str() && *end == '\0' ? v : std::nan(""));
+    }
+    if (std::isfinite(row[0])) s.rows.push_back(std::move(row));
+  }
+  if (s.rows.empty()) return std::nullopt;
+  return s;
+}
+
+std::string short_number(double v) { return fmt::format("{:.4g}", v); }
+}  // namespace
+
+void plot_runs(const std::vector<std::string>& run_dirs, const std::string& png_path) {
+  std::vector<Summary> runs;
+  std::vector<std::string> missing;
+  for (auto& d : run_dirs)
+    if (auto s = read_summary(d)) runs.push_back(std::move(*s));
+    else missing.push_back(d);
+  if (runs.empty())
+    throw UserError(fmt::format("plot: no run with a readable summary.csv (in '{}'{})", missing.front(),
+                                missing.size() > 1 ? fmt::format(" and {} more", missing.size() - 1) : ""));
+  for (auto& d : missing) log::warn("plot: '{}' has no readable summary.csv; left out", d);
+  // The eval curves: top-1 and top-5 when the evaluator has them, else its first two non-loss numbers.
+  std::vector<std::string> eval_cols;
+  if (runs[0].column("eval_top1") >= 0) eval_cols = {"eval_top1", "eval_top5"};
+  else
+    for (auto& c : runs[0].columns)
+      if (c.rfind("eval_", 0) == 0 && c.find("loss") == std::string::npos && eval_cols.size() < 2) eval_cols.push_back(c);
+  struct Panel {
+    std::string title;
+    std::vector<std::string> cols;
+  };
+  const std::vector<Panel> panels = {{"train loss", {"train_loss"}},
+                                     {eval_cols.empty() ? "eval" : "eval " + eval_cols[0].substr(5) +
+                                                                      (eval_cols.size() > 1 ? " / " + eval_cols[1].substr(5) : ""),
+                                      eval_cols},
+                                     {"lr", {"lr"}}};
+  const int pw = 420, ph = 360, top = 40, left = 70, right = 20, bottom = 50;
+  const int legend = runs.size() > 1 ? 22 * int(runs.size()) + 10 : 0;
+  cv::Mat img(ph + legend, pw * int(panels.size()), CV_8UC3, cv::Scalar(255, 255, 255));
+  const cv::Scalar axis(60, 60, 60), grid(225, 225, 225);
+  static const unsigned char run_colours[8][3] = {{31, 119, 180}, {214, 39, 40},  {44, 160, 44},  {148, 103, 189},
+                                                  {255, 127, 14}, {140, 86, 75}, {227, 119, 194}, {23, 190, 207}};
+  auto bgr = [](const unsigned char* rgb) { return cv::Scalar(rgb[2], rgb[1], rgb[0]); };
+  auto text = [&](const std::string& t, int x, int y, double scale = 0.45) {
+    cv::putText(img, t, {x, y}, cv::FONT_HERSHEY_SIMPLEX, scale, axis, 1, cv::LINE_AA);
+  };
+  int series = 0;  // the single-run colour index: train loss, eval 1, eval 2, lr
+  for (size_t p = 0; p < panels.size(); ++p) {
+    const int x0 = int(p) * pw + left, x1 = int(p + 1) * pw - right, y0 = top, y1 = ph - bottom;
+    double xmin = 1e300, xmax = -1e300, ymin = 1e300, ymax = -1e300;
+    for (auto& r : runs)
+      for (auto& c : panels[p].cols)
+        if (const int k = r.column(c); k >= 0)
+          for (auto& row : r.rows)
+            if (std::isfinite(row[size_t(k)])) {
+              xmin = std::min(xmin, row[0]), xmax = std::max(xmax, row[0]);
+              ymin = std::min(ymin, row[size_t(k)]), ymax = std::max(ymax, row[size_t(k)]);
+            }
+    text(panels[p].title, x0, top - 14, 0.6);
+    cv::rectangle(img, {x0, y0}, {x1, y1}, axis, 1);
+    if (xmin > xmax) {
+      text("(no values)", x0 + 10, (y0 + y1) / 2);
+      series += int(panels[p].cols.size());
+      continue;
+    }
+    if (xmax == xmin) xmin -= 0.5, xmax += 0.5;
+    if (ymax == ymin) ymin -= std::max(1e-12, std::abs(ymin) * 0.05), ymax += std::max(1e-12, std::abs(ymax) * 0.05);
+    const double pad = 0.05 * (ymax - ymin);
+    const double ylo = ymin - pad, yhi = ymax + pad;
+    for (int g = 1; g < 4; ++g) {
+      const int y = y0 + (y1 - y0) * g / 4;
+      cv::line(img, {x0 + 1, y}, {x1 - 1, y}, grid, 1);
+    }
+    auto px = [&](double x, double y) {
+      return cv::Point(x0 + int(std::lround((x - xmin) / (xmax - xmin) * (x1 - x0 - 10))) + 5,
+                       y1 - int(std::lround((y - ylo) / (yhi - ylo) * (y1 - y0))));
+    };
+    text(short_number(ymax), int(p) * pw + 4, px(xmin, ymax).y + 4, 0.4);  // the y range, at its ends
+    text(short_number(ymin), int(p) * pw + 4, px(xmin, ymin).y + 4, 0.4);
+    text(fmt::format("{:g}", xmin), x0, y1 + 18);
+    text(fmt::format("{:g}", xmax), x1 - 20, y1 + 18);
+    text("epoch", (x0 + x1) / 2 - 20, y1 + 36);
+    for (size_t ci = 0; ci < panels[p].cols.size(); ++ci, ++series) {
+      for (size_t ri = 0; ri < runs.size(); ++ri) {
+        const int k = runs[ri].column(panels[p].cols[ci]);
+        if (k < 0) continue;
+        const cv::Scalar colour = runs.size() == 1 ? bgr(kCurveColours[std::min(series, 3)]) : bgr(run_colours[ri % 8]);
+        const int thickness = ci == 0 ? 2 : 1;  // a second eval curve (top-5) is the thinner one
+        std::optional<cv::Point> prev;
+        for (auto& row : runs[ri].rows) {
+          if (!std::isfinite(row[size_t(k)])) continue;
+          const cv::Point pt = px(row[0], row[size_t(k)]);
+          if (prev) cv::line(img, *prev, pt, colour, thickness, cv::LINE_8);
+          cv::circle(img, pt, 3, colour, cv::FILLED, cv::LINE_8);
+          prev = pt;
+        }
+      }
+    }
+  }
+  if (runs.size() == 1) {
+    text(runs[0].name, 4, 14, 0.45);
+  } else {
+    for (size_t ri = 0; ri < runs.size(); ++ri) {
+      const int y = ph + 16 + 22 * int(ri);
+      cv::rectangle(img, {left, y - 10}, {left + 24, y}, bgr(run_colours[ri % 8]), cv::FILLED);
+      text(runs[ri].name, left + 32, y);
+    }
+  }
+  write_png(png_path, img.cols, img.rows, img.data);
 }
 
 }  // namespace imgtrain::engine

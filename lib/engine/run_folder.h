@@ -4,8 +4,11 @@
 #pragma once
 #include "engine/task.h"
 
+#include <cstdint>
+#include <cstdio>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace imgtrain::engine {
 
@@ -35,5 +38,38 @@ class RunFolder {
   bool primary_;
   std::shared_ptr<int> lock_;  // the lock file's descriptor, closed (unlocked) with the last copy
 };
+
+// TensorBoard event files, written natively (no protobuf library): TFRecord framing (length,
+// masked CRC-32C of the length, the record, masked CRC-32C of the record) around Event protobufs
+// holding one scalar summary each. File name as TensorBoard's own writer picks it
+// (events.out.tfevents.<seconds>.<host>.<pid>); `tensorboard --logdir DIR` reads it.
+class EventWriter {
+ public:
+  EventWriter() = default;  // off: scalar() does nothing
+  explicit EventWriter(const std::string& dir);
+  bool enabled() const { return file_ != nullptr; }
+  const std::string& path() const { return path_; }
+  void scalar(const std::string& tag, double value, int64_t step);
+  void flush();
+
+ private:
+  void record(const std::string& event);
+  std::shared_ptr<std::FILE> file_;
+  std::string path_;
+};
+
+// Training curves drawn from runs' summary.csv files into one PNG: three panels (train loss, the
+// eval metric — top-1 and top-5, or the first eval columns that are not a loss — and lr) over
+// epochs, with min/max on each axis. One run: a colour per curve (kCurveColours, in the order
+// train loss, first eval, second eval, lr); several runs: a colour per run, named in a legend.
+// Throws UserError when no run has a readable summary.csv.
+void plot_runs(const std::vector<std::string>& run_dirs, const std::string& png_path);
+// RGB colours of the curves of a single run's plot (the test finds them in the picture).
+inline constexpr unsigned char kCurveColours[4][3] = {{31, 119, 180}, {214, 39, 40}, {255, 127, 14}, {44, 160, 44}};
+// Writes an 8-bit BGR image as an RGB PNG (zlib; no image codec library needed).
+void write_png(const std::string& path, int width, int height, const unsigned char* bgr);
+
+// CRC-32C (Castagnoli), TFRecord's checksum.
+uint32_t crc32c(const void* data, size_t n);
 
 }  // namespace imgtrain::engine

@@ -4,6 +4,7 @@
 #include "core/log.h"
 #include "core/meter.h"
 #include "dist/launcher.h"
+#include "engine/run_folder.h"
 #include "engine/setup.h"
 
 #include <torch/torch.h>
@@ -73,10 +74,9 @@ std::optional<Prefetcher::Item> Prefetcher::load() {
   return item;
 }
 
-void clip_gradients(std::vector<at::Tensor> params, double value, const std::string& mode) {
-  if (mode == "norm") {
-    torch::nn::utils::clip_grad_norm_(params, value, 2.0);
-  } else if (mode == "value") {
+double clip_gradients(std::vector<at::Tensor> params, double value, const std::string& mode) {
+  if (mode == "norm") return torch::nn::utils::clip_grad_norm_(params, value, 2.0);
+  if (mode == "value") {
     torch::nn::utils::clip_grad_value_(params, value);
   } else {  // agc: adaptive, unit-wise against the parameter norm (eps 1e-3)
     torch::NoGradGuard ng;
@@ -95,6 +95,13 @@ void clip_gradients(std::vector<at::Tensor> params, double value, const std::str
       g.copy_(at::where(grad_norm < max_norm, g, clipped));
     }
   }
+  return std::nan("");
+}
+
+std::string format_duration(double seconds) {
+  if (!std::isfinite(seconds) || seconds < 0) seconds = 0;
+  const auto s = int64_t(std::llround(std::min(seconds, 1e9)));
+  return fmt::format("{}:{:02d}:{:02d}", s / 3600, (s / 60) % 60, s % 60);
 }
 
 std::string format_loss_meters(const LossMeters& m) {
@@ -140,6 +147,13 @@ EpochResult train_one_epoch(Task& task, torch::nn::Module& model, data::Loader& 
   }
   // A recovery checkpoint's meters: each rank keeps its own averages (timm's); the checkpoint holds
   // their mean, so equal per-rank counts (the sampler's) give the same epoch average after a resume.
+  // Seconds left in the epoch and in the run, from the average update time so far (updates after
+  // this epoch's last at the same pace, plus the evaluations still to come).
+  auto estimate = [&](int64_t updates_left_in_epoch) {
+    const double per_update = update_time.avg();
+    const double epoch_left = per_update * double(std::max<int64_t>(0, updates_left_in_epoch));
+    return std::pair{epoch_left, epoch_left + per_update * double(o.updates_after_epoch) + o.eval_seconds_left};
+  };
   auto recovery_meters = [&] {
     LossMeters all{{"loss", losses}};
     all.insert(all.end(), parts.begin(), parts.end());
@@ -209,6 +223,7 @@ EpochResult train_one_epoch(Task& task, torch::nn::Module& model, data::Loader& 
       continue;
     }
     bool finite = true;
+    double grad_norm = std::nan("");  // --clip-grad with --clip-mode norm: the total norm before clipping
     if (o.master) o.master->grads_to_masters();
     std::vector<at::Tensor> params;  // what unscaling and clipping see (the masters under O2)
     if (o.scaler || o.clip_grad) params = o.master ? o.master->masters() : model.parameters();
@@ -216,7 +231,7 @@ EpochResult train_one_epoch(Task& task, torch::nn::Module& model, data::Loader& 
     if (o.clip_grad) {
       const auto head = size_t(task.agc_exclude_last());  // timm: the head is not clipped by agc
       if (o.clip_mode == "agc" && head && params.size() >= head) params.resize(params.size() - head);
-      clip_gradients(params, *o.clip_grad, o.clip_mode);
+      grad_norm = clip_gradients(params, *o.clip_grad, o.clip_mode);
     }
     if (finite) {
       optimizer.step();
@@ -242,12 +257,28 @@ EpochResult train_one_epoch(Task& task, torch::nn::Module& model, data::Loader& 
       std::string part_text;
       for (size_t i = 0; i < parts.size(); ++i)
         part_text += fmt::format("  {}: {:#.3g} ({:#.3g})", parts[i].first, vals[2 + 2 * i], vals[3 + 2 * i]);
+      const auto eta = estimate(updates_per_epoch - update_idx - 1);
       log::info("Train: {} [{:>4d}/{} ({:>3.0f}%)]  Loss: {:#.3g} ({:#.3g})  Time: {:.3f}s, {:>7.2f}/s  "
-                "({:.3f}s, {:>7.2f}/s)  LR: {:.3e}  Data: {:.3f} ({:.3f}){}",
+                "({:.3f}s, {:>7.2f}/s)  LR: {:.3e}  Data: {:.3f} ({:.3f}){}  ETA epoch {}, run {}",
                 o.epoch, update_idx, updates_per_epoch, 100.0 * double(update_idx + 1) / double(updates_per_epoch),
                 loss_now, loss_avg, update_time.val, double(update_samples) / update_time.val,
                 update_time.avg(), double(update_samples) / update_time.avg(), optimizer.mean_lr(), data_time.val,
-                data_time.avg(), part_text);
+                data_time.avg(), part_text, format_duration(eta.first), format_duration(eta.second));
+      if (o.events && o.events->enabled()) {  // TensorBoard: the same numbers, at the update count
+        o.events->scalar("train/loss", loss_now, num_updates);
+        for (size_t i = 0; i < parts.size(); ++i) o.events->scalar("train/" + parts[i].first, vals[2 + 2 * i], num_updates);
+        o.events->scalar("train/lr", optimizer.mean_lr(), num_updates);
+        o.events->scalar("train/samples_per_sec", double(update_samples) / update_time.val, num_updates);
+        o.events->scalar("train/data_time", data_time.val, num_updates);
+        if (o.scaler) o.events->scalar("train/loss_scale", o.scaler->value(), num_updates);
+        if (std::isfinite(grad_norm)) o.events->scalar("train/grad_norm", grad_norm, num_updates);
+        o.events->flush();
+      }
+    } else if (log::status_enabled()) {  // an interactive terminal: a live line between the log lines
+      const auto eta = estimate(updates_per_epoch - update_idx - 1);
+      log::status(fmt::format("Train: {} [{:>4d}/{} ({:>3.0f}%)]  Loss: {:#.3g}  ETA epoch {}, run {}", o.epoch,
+                              update_idx, updates_per_epoch, 100.0 * double(update_idx + 1) / double(updates_per_epoch),
+                              losses.avg(), format_duration(eta.first), format_duration(eta.second)));
     }
     if (o.save_recovery && o.recovery_interval && (update_idx + 1) % o.recovery_interval == 0 && !last_batch &&
         !run_ends)

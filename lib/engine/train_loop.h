@@ -4,11 +4,11 @@
 // lr step per update, a timm-format log line, recovery checkpoints and the agreed stop check.
 // It knows no labels: what a batch means is the Task's.
 #pragma once
+#include "core/meter.h"
 #include "data/loader.h"
 #include "dist/dist.h"
 #include "engine/amp.h"
 #include "engine/ema.h"
-#include "core/meter.h"
 #include "engine/task.h"
 #include "optim/optim.h"
 
@@ -17,10 +17,14 @@
 
 namespace imgtrain::engine {
 
+class EventWriter;
+
 // The epoch's running loss averages by name ("loss" first, then the task's parts), and their text
 // form in a recovery checkpoint ("name sum count;..."; parse_loss_meters throws UserError naming
 // `what` on malformed text).
 using LossMeters = std::vector<std::pair<std::string, AverageMeter>>;
+// "H:MM:SS" (hours unbounded), as the ETA is written.
+std::string format_duration(double seconds);
 std::string format_loss_meters(const LossMeters& m);
 LossMeters parse_loss_meters(const std::string& text, const std::string& what);
 
@@ -41,6 +45,10 @@ struct LoopOptions {
   int64_t start_update = 0;         // resume inside the epoch (a recovery checkpoint)
   LossMeters start_meters;          // ... with the epoch's loss averages up to there
   int64_t max_updates = 0;          // > 0: the run ends after this many updates (--max-iter), mid-epoch too
+  // The ETA on log lines: updates of the epochs after this one, and the time the evaluations still
+  // to come will take (after each epoch, measured on the last one; 0 before the first).
+  int64_t updates_after_epoch = 0;
+  double eval_seconds_left = 0;
   int64_t recovery_interval = 0;    // --recovery-interval: save_recovery after every N updates
   // The meters: "loss" and the task's parts, averaged over the ranks (every rank calls it).
   std::function<void(int64_t update_idx, const LossMeters& meters)> save_recovery;
@@ -50,6 +58,7 @@ struct LoopOptions {
   // Between updates: a SIGINT / SIGTERM (agreed over the ranks) ends the epoch after a recovery
   // checkpoint (save_recovery, when set).
   bool honour_stop = true;
+  EventWriter* events = nullptr;  // --log-tensorboard: the log lines' numbers as scalars (rank 0)
 };
 
 struct EpochResult {
@@ -63,7 +72,8 @@ struct EpochResult {
 
 // timm's dispatch_clip_grad: norm (total 2-norm), value, or agc (unit-wise adaptive clipping
 // against the parameters' norms, eps 1e-3; the caller leaves out the head as timm does).
-void clip_gradients(std::vector<at::Tensor> params, double value, const std::string& mode);
+// Returns the total norm before clipping for "norm", NaN for the others.
+double clip_gradients(std::vector<at::Tensor> params, double value, const std::string& mode);
 
 // One epoch of timm's train_one_epoch. `num_updates` counts optimizer updates across epochs
 // (skipped ones included, as timm counts).

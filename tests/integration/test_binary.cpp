@@ -471,6 +471,55 @@ TEST_CASE("resume is exact: 2 epochs straight equal 1 + resume + 1, and a mid-ep
   CHECK(sr[1] == sa[2]);
 }
 
+TEST_CASE("log lines carry an ETA, a terminal also gets a live progress line, files and pipes never", "[integration]") {
+  auto data = test::fmnist_folder(200, 100);
+  test::TempDir out("eta");
+  const std::string cmd = kBin + " train --data-dir " + data + kSmallArgs + " -b 20 --epochs 2 --log-interval 4 " +
+                          "--output " + out.path.string();
+  // a pipe: plain timm lines, each with the epoch's and the run's time left; TensorBoard events
+  // (read back by TensorBoard's own reader, equal to summary.csv) and curves.png in the run folder
+  auto p = test::run(cmd + " --experiment pipe --log-tensorboard --clip-grad 5");
+  INFO(p.output);
+  REQUIRE(p.code == 0);
+  auto tb = test::run(kPython + " " + IMGTRAIN_SOURCE_DIR + "/tests/integration/tensorboard_check.py " +
+                      (out / "pipe") + " " + (out / "pipe/summary.csv") +
+                      " train/loss train/lr train/samples_per_sec train/data_time train/grad_norm");
+  INFO(tb.output);
+  CHECK(tb.code == 0);
+  CHECK_THAT(tb.output, Catch::Contains("TENSORBOARD_OK"));
+  CHECK(fs::file_size(out / "pipe/curves.png") > 1000);
+  // --log-tensorboard DIR: the events go there; `imgtrain plot` overlays two runs
+  auto d = test::run(cmd + " --epochs 1 --experiment dir --log-tensorboard " + (out / "tb"));
+  REQUIRE(d.code == 0);
+  bool events_in_dir = false;
+  for (auto& e : fs::directory_iterator(out / "tb"))
+    events_in_dir = events_in_dir || e.path().filename().string().rfind("events.out.tfevents.", 0) == 0;
+  CHECK(events_in_dir);
+  auto pl = test::run(kBin + " plot " + (out / "pipe") + " " + (out / "dir") + " -o " + (out / "both.png"));
+  INFO(pl.output);
+  CHECK(pl.code == 0);
+  CHECK(fs::file_size(out / "both.png") > 1000);
+  expect_user_error(test::run(kBin + " plot " + (out / "nothing-here")), "no run with a readable summary.csv");
+  expect_user_error(test::run(kBin + " plot " + (out / "pipe") + " -o x.jpg"), "ending in .png");
+  CHECK(std::regex_search(p.output, std::regex(R"(Train: 0 \[   4/10 .*  ETA epoch 0:\d\d:\d\d, run 0:\d\d:\d\d\n)")));
+  CHECK(p.output.find('\033') == std::string::npos);
+  // a terminal (script(1) gives the process a pty): the live line between log lines, cleared
+  // before each of them; log.txt holds the plain lines only
+  auto t = test::run("script -qec '" + cmd + " --experiment tty' /dev/null");
+  INFO(t.output);
+  REQUIRE(t.code == 0);
+  CHECK_THAT(t.output, Catch::Contains("\r\033[KTrain: 0 [   1/10 ( 20%)]  Loss: ") &&
+                           Catch::Contains("\r\033[KTrain: 0 [   4/10 ( 50%)]  Loss:"));
+  const std::string log_txt = test::read_file(out / "tty/log.txt");
+  CHECK_THAT(log_txt, Catch::Contains("Train: 0 [   4/10 ( 50%)]"));
+  CHECK(log_txt.find('\033') == std::string::npos);
+  CHECK(log_txt.find("[   1/10") == std::string::npos);
+  // IMGTRAIN_PROGRESS=0 turns the live line off on a terminal
+  auto q = test::run("IMGTRAIN_PROGRESS=0 script -qec '" + cmd + " --experiment quiet' /dev/null");
+  REQUIRE(q.code == 0);
+  CHECK(q.output.find("\033[K") == std::string::npos);
+}
+
 TEST_CASE("max-iter ends the run after that many updates, mid-epoch, with torch's milestones", "[integration]") {
   auto data = test::fmnist_folder(200, 100);
   test::TempDir out("maxiter");

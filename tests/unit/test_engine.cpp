@@ -1,6 +1,7 @@
 // The engine's seam: a task that is not classification trains through the one loop, and the
 // checkpoint format's owner round-trips every field.
 #include "core/error.h"
+#include "data/dataset.h"
 #include "engine/checkpoint.h"
 #include "engine/run_folder.h"
 #include "engine/evaluate.h"
@@ -11,6 +12,8 @@
 
 #include <catch2/catch.hpp>
 #include <torch/torch.h>
+
+#include <cstring>
 
 using namespace imgtrain;
 
@@ -344,3 +347,83 @@ TEST_CASE("a resumed run keeps --checkpoint-hist, one recovery file and one summ
   engine::RunFolder nested(out.path.string(), "ablation/lr0.1", "", true);
   CHECK(std::filesystem::is_directory(out / "ablation/lr0.1"));
 }
+
+TEST_CASE("TensorBoard framing: CRC-32C and the records of an events file", "[engine][tensorboard]") {
+  // RFC 3720's check value, and TFRecord's framing read back by hand
+  CHECK(engine::crc32c("123456789", 9) == 0xE3069283u);
+  CHECK(engine::crc32c("", 0) == 0u);
+  test::TempDir d("tb");
+  std::string path;
+  {
+    engine::EventWriter w(d / "events");
+    REQUIRE(w.enabled());
+    w.scalar("train/loss", 0.5, 7);
+    w.flush();
+    path = w.path();
+  }
+  const std::string bytes = test::read_file(path);
+  auto u64 = [&](size_t at) {
+    uint64_t v;
+    std::memcpy(&v, bytes.data() + at, 8);
+    return v;
+  };
+  auto u32 = [&](size_t at) {
+    uint32_t v;
+    std::memcpy(&v, bytes.data() + at, 4);
+    return v;
+  };
+  auto masked = [](uint32_t c) { return ((c >> 15) | (c << 17)) + 0xA282EAD8u; };
+  size_t at = 0;
+  int records = 0;
+  while (at < bytes.size()) {
+    REQUIRE(at + 12 <= bytes.size());
+    const uint64_t n = u64(at);
+    CHECK(u32(at + 8) == masked(engine::crc32c(bytes.data() + at, 8)));
+    REQUIRE(at + 12 + n + 4 <= bytes.size());
+    CHECK(u32(at + 12 + n) == masked(engine::crc32c(bytes.data() + at + 12, n)));
+    if (records == 0) CHECK(bytes.substr(at + 12, n).find("brain.Event:2") != std::string::npos);
+    if (records == 1) CHECK(bytes.substr(at + 12, n).find("train/loss") != std::string::npos);
+    at += 12 + n + 4;
+    ++records;
+  }
+  CHECK(records == 2);
+  CHECK(std::filesystem::path(path).filename().string().rfind("events.out.tfevents.", 0) == 0);
+  engine::EventWriter off;
+  CHECK_FALSE(off.enabled());
+  off.scalar("x", 1, 0);  // nothing, no crash
+}
+
+#ifdef IMGTRAIN_WITH_IMGCODECS
+TEST_CASE("curves.png: three panels with each curve's colour, runs overlaid with a legend", "[engine][plot]") {
+  test::TempDir d("plot");
+  test::write_file(d / "a/summary.csv",
+                   "epoch,train_loss,eval_loss,eval_top1,eval_top5,lr\n0,2.1,1.9,40,80,0.1\n1,1.5,1.4,60,90,0.05\n"
+                   "2,1.2,1.1,70,95,0.01\n");
+  test::write_file(d / "b/summary.csv", "epoch,train_loss,eval_loss,eval_top1,eval_top5,lr\n0,2.5,2,30,70,0.1\n");
+  engine::plot_runs({d / "a"}, d / "a.png");
+  const cv::Mat img = data::decode_image(test::read_file(d / "a.png"), "a.png");
+  REQUIRE(img.cols == 1260);
+  REQUIRE(img.rows == 360);
+  auto count = [&](const cv::Mat& m, const unsigned char* rgb) {
+    int n = 0;
+    for (int y = 0; y < m.rows; ++y)
+      for (int x = 0; x < m.cols; ++x) {
+        const auto& p = m.at<cv::Vec3b>(y, x);
+        n += p[0] == rgb[0] && p[1] == rgb[1] && p[2] == rgb[2];  // decode_image gives RGB
+      }
+    return n;
+  };
+  for (int c = 0; c < 4; ++c) {
+    INFO("curve " << c);
+    CHECK(count(img, engine::kCurveColours[c]) > 20);
+  }
+  const unsigned char white[3] = {255, 255, 255};
+  CHECK(count(img, white) < img.rows * img.cols * 99 / 100);  // not blank
+  // two runs: a legend row each below the panels; a folder without summary.csv alone is refused
+  engine::plot_runs({d / "a", d / "b"}, d / "ab.png");
+  const cv::Mat both = data::decode_image(test::read_file(d / "ab.png"), "ab.png");
+  CHECK(both.rows == 360 + 2 * 22 + 10);
+  CHECK_THROWS_WITH(engine::plot_runs({d / "none"}, d / "n.png"),
+                    Catch::Contains("no run with a readable summary.csv"));
+}
+#endif
