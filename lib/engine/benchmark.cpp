@@ -16,6 +16,7 @@
 #include <cmath>
 #include <fstream>
 #include <functional>
+#include <thread>
 
 namespace imgtrain::engine {
 namespace {
@@ -41,8 +42,29 @@ std::unique_ptr<optim::Optimizer> bench_optimizer(torch::nn::Module& model, cons
 
 // benchmark.py's timing: --num-warm-iter steps, then --num-bench-iter timed ones (logged five
 // times), and its fields under infer_ / train_ (samples/s rounded to `digits`).
-void time_steps(const std::function<double()>& step, const cli::Config& cfg, torch::Device device, bool train,
+// IMGTRAIN_BENCH_SLOWDOWN=F, a test hook of the CI benchmark job (bench/ci_bench.py): every timed
+// step is followed by a sleep of F x its time, counted in it, so a regression of F can be staged.
+double bench_slowdown() {
+  const char* v = std::getenv("IMGTRAIN_BENCH_SLOWDOWN");
+  if (!v || !*v) return 0;
+  char* end = nullptr;
+  const double f = std::strtod(v, &end);
+  if (*end || !std::isfinite(f) || f < 0 || f > 100)
+    throw UserError(fmt::format("IMGTRAIN_BENCH_SLOWDOWN '{}': expected a number in [0, 100]", v));
+  return f;
+}
+
+void time_steps(const std::function<double()>& step_once, const cli::Config& cfg, torch::Device device, bool train,
                 int64_t b, int64_t img, int digits, nlohmann::ordered_json& results) {
+  const double slowdown = bench_slowdown();
+  if (slowdown > 0) log::warn("IMGTRAIN_BENCH_SLOWDOWN={}: every step is made {}x slower (a test hook)", slowdown,
+                              1 + slowdown);
+  auto step = [&]() -> double {
+    const double t = step_once();
+    if (slowdown <= 0) return t;
+    std::this_thread::sleep_for(std::chrono::duration<double>(slowdown * t));
+    return t * (1 + slowdown);
+  };
   for (int64_t i = 0; i < cfg.num_warm_iter; ++i) step();
   double total = 0;
   int64_t samples = 0;
@@ -204,6 +226,7 @@ int benchmark_detection(const cli::Config& cfg, torch::Device device) {
 }  // namespace
 
 int benchmark(const cli::Config& cfg) {
+  bench_slowdown();  // a malformed test hook is refused before anything runs
   if (cfg.bench == "data" || cfg.bench == "data-eval") return benchmark_data(cfg);
   if (model_zoo::model_task(cfg.model) == "detection") return benchmark_detection(cfg, resolve_device(cfg.device));
   auto device = resolve_device(cfg.device);

@@ -520,6 +520,42 @@ TEST_CASE("log lines carry an ETA, a terminal also gets a live progress line, fi
   CHECK(q.output.find("\033[K") == std::string::npos);
 }
 
+TEST_CASE("the CI benchmark job: a suite's records, and a staged slowdown fails the comparison naming the entry",
+          "[integration]") {
+  test::TempDir out("cibench");
+  const std::string tool = kPython + " " + IMGTRAIN_SOURCE_DIR + "/bench/ci_bench.py";
+  const std::string suite = std::string(IMGTRAIN_SOURCE_DIR) + "/tests/data/bench_suite_tiny.yaml";
+  const std::string run = tool + " run --suite " + suite + " --repeats 1 --imgtrain " + kBin + " --out ";
+  auto base = test::run(run + (out / "base.json"));
+  INFO(base.output);
+  REQUIRE(base.code == 0);
+  const auto records = nlohmann::json::parse(test::read_file(out / "base.json"));
+  REQUIRE(records.size() == 1);
+  const auto& r = records[0];
+  CHECK(r["name"] == "resnet18-tiny");
+  CHECK(r["mode"] == "train");
+  CHECK(r["samples_per_sec"].get<double>() > 0);
+  CHECK(r["reference_samples_per_sec"].get<double>() > 0);
+  for (auto k : {"ratio", "spread", "imgtrain_version", "git_commit", "torch_version", "device", "threads",
+                 "batch_size", "img_size"})
+    CHECK(r.contains(k));
+  // the same numbers pass; staged 3x slower (IMGTRAIN_BENCH_SLOWDOWN=2) they fail, naming the entry
+  auto same = test::run(tool + " compare " + (out / "base.json") + " " + (out / "base.json"));
+  INFO(same.output);
+  CHECK(same.code == 0);
+  auto slow = test::run("IMGTRAIN_BENCH_SLOWDOWN=2 " + run + (out / "slow.json"));
+  INFO(slow.output);
+  REQUIRE(slow.code == 0);
+  auto cmp = test::run(tool + " compare " + (out / "base.json") + " " + (out / "slow.json"));
+  INFO(cmp.output);
+  CHECK(cmp.code == 1);
+  CHECK_THAT(cmp.output, Catch::Contains("FAILED") && Catch::Contains("resnet18-tiny train"));
+  expect_user_error(test::run("IMGTRAIN_BENCH_SLOWDOWN=abc " + kBin +
+                              " benchmark --device cpu --model resnet18 --bench train -b 2 --img-size 32 "
+                              "--num-warm-iter 0 --num-bench-iter 1"),
+                    "IMGTRAIN_BENCH_SLOWDOWN 'abc'");
+}
+
 TEST_CASE("max-iter ends the run after that many updates, mid-epoch, with torch's milestones", "[integration]") {
   auto data = test::fmnist_folder(200, 100);
   test::TempDir out("maxiter");
