@@ -424,8 +424,10 @@ void plot_runs(const std::vector<std::string>& run_dirs, const std::string& png_
       }
     }
   }
-  if (runs.size() == 1) {
-    text(runs[0].name, 4, 14, 0.45);
+  if (runs.size() == 1) {  // the run's name, top right (the panel titles are top left)
+    int base = 0;
+    const cv::Size ts = cv::getTextSize(runs[0].name, cv::FONT_HERSHEY_SIMPLEX, 0.45, 1, &base);
+    text(runs[0].name, std::max(0, img.cols - ts.width - 8), 16, 0.45);
   } else {
     for (size_t ri = 0; ri < runs.size(); ++ri) {
       const int y = ph + 16 + 22 * int(ri);

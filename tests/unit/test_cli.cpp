@@ -71,6 +71,16 @@ TEST_CASE("list flags, aliases and the engine's flags", "[cli]") {
   CHECK_THAT(error_of({"--decay-milestones"}), Catch::Contains("one or more numbers"));
   CHECK_THAT(error_of({"--grad-accum-steps", "0"}), Catch::Contains("positive integer"));
   CHECK_THAT(error_of({"--clip-mode", "l1"}), Catch::Contains("norm, value, agc"));
+  // an optional value (argparse's nargs='?'): alone, with a value, with '=', or before another flag
+  CHECK(train({}).log_tensorboard.empty());
+  CHECK(train({"--log-tensorboard"}).log_tensorboard == "true");
+  CHECK(train({"--log-tensorboard", "/tmp/tb", "--epochs", "2"}).log_tensorboard == "/tmp/tb");
+  CHECK(train({"--log-tensorboard=/tmp/tb"}).log_tensorboard == "/tmp/tb");
+  auto tb = train({"--log-tensorboard", "--epochs", "2"});
+  CHECK(tb.log_tensorboard == "true");
+  CHECK(tb.epochs == 2);
+  // the README's main job writes TensorBoard events into its run folder
+  CHECK(train({"-c", std::string(IMGTRAIN_SOURCE_DIR) + "/configs/fashion_mnist.yaml"}).log_tensorboard == "true");
 }
 
 TEST_CASE("config file sets defaults and the command line overrides them", "[cli]") {
