@@ -269,9 +269,9 @@ YAML::Node load_yaml_file(const std::string& path, const std::string& what) {
   std::ifstream f(path, std::ios::binary);
   if (!f) throw UserError(fmt::format("{} '{}': cannot read the file", what, path));
   constexpr size_t kMaxBytes = size_t(16) << 20;
-  std::string text(kMaxBytes + 1, '\0');
-  f.read(text.data(), std::streamsize(text.size()));
-  text.resize(size_t(f.gcount()));
+  std::string text;  // read in 64 KiB pieces up to the cap (a pipe has no size to ask for)
+  char piece[1 << 16];
+  while (text.size() <= kMaxBytes && f.read(piece, sizeof piece).gcount() > 0) text.append(piece, size_t(f.gcount()));
   if (text.size() > kMaxBytes)
     throw UserError(fmt::format("{} '{}': larger than 16 MiB; a config is a few kilobytes", what, path));
   YAML::Node root;

@@ -160,6 +160,8 @@ TEST_CASE("config file errors name the key and the file", "[cli][fault]") {
   }
   test::write_file(d / "empty.yaml", "");
   CHECK(error_of({"-c", d / "empty.yaml"}) == "");
+  test::write_file(d / "huge.yaml", "# " + std::string((size_t(16) << 20) + 10, 'x') + "\nepochs: 2\n");
+  CHECK_THAT(error_of({"-c", d / "huge.yaml"}), Catch::Contains("larger than 16 MiB"));
   test::write_file(d / "seqkey.yaml", "[a, b]: 1\n");
   CHECK_THAT(error_of({"-c", d / "seqkey.yaml"}), Catch::Contains("line 1: a key must be a name"));
   test::write_file(d / "mapkey.yaml", "epochs: 2\n{a: 1}: 2\n");
