@@ -145,8 +145,6 @@ EpochResult train_one_epoch(Task& task, torch::nn::Module& model, data::Loader& 
       else parts.emplace_back(k, m);
     }
   }
-  // A recovery checkpoint's meters: each rank keeps its own averages (timm's); the checkpoint holds
-  // their mean, so equal per-rank counts (the sampler's) give the same epoch average after a resume.
   // Seconds left in the epoch and in the run, from the average update time so far (updates after
   // this epoch's last at the same pace, plus the evaluations still to come).
   auto estimate = [&](int64_t updates_left_in_epoch) {
@@ -154,6 +152,13 @@ EpochResult train_one_epoch(Task& task, torch::nn::Module& model, data::Loader& 
     const double epoch_left = per_update * double(std::max<int64_t>(0, updates_left_in_epoch));
     return std::pair{epoch_left, epoch_left + per_update * double(o.updates_after_epoch) + o.eval_seconds_left};
   };
+  // "Train: E [ i/N (p%)]", the start of the log line and of the live terminal line
+  auto progress = [&](int64_t update_idx) {
+    return fmt::format("Train: {} [{:>4d}/{} ({:>3.0f}%)]", o.epoch, update_idx, updates_per_epoch,
+                       100.0 * double(update_idx + 1) / double(updates_per_epoch));
+  };
+  // A recovery checkpoint's meters: each rank keeps its own averages (timm's); the checkpoint holds
+  // their mean, so equal per-rank counts (the sampler's) give the same epoch average after a resume.
   auto recovery_meters = [&] {
     LossMeters all{{"loss", losses}};
     all.insert(all.end(), parts.begin(), parts.end());
@@ -258,10 +263,9 @@ EpochResult train_one_epoch(Task& task, torch::nn::Module& model, data::Loader& 
       for (size_t i = 0; i < parts.size(); ++i)
         part_text += fmt::format("  {}: {:#.3g} ({:#.3g})", parts[i].first, vals[2 + 2 * i], vals[3 + 2 * i]);
       const auto eta = estimate(updates_per_epoch - update_idx - 1);
-      log::info("Train: {} [{:>4d}/{} ({:>3.0f}%)]  Loss: {:#.3g} ({:#.3g})  Time: {:.3f}s, {:>7.2f}/s  "
+      log::info("{}  Loss: {:#.3g} ({:#.3g})  Time: {:.3f}s, {:>7.2f}/s  "
                 "({:.3f}s, {:>7.2f}/s)  LR: {:.3e}  Data: {:.3f} ({:.3f}){}  ETA epoch {}, run {}",
-                o.epoch, update_idx, updates_per_epoch, 100.0 * double(update_idx + 1) / double(updates_per_epoch),
-                loss_now, loss_avg, update_time.val, double(update_samples) / update_time.val,
+                progress(update_idx), loss_now, loss_avg, update_time.val, double(update_samples) / update_time.val,
                 update_time.avg(), double(update_samples) / update_time.avg(), optimizer.mean_lr(), data_time.val,
                 data_time.avg(), part_text, format_duration(eta.first), format_duration(eta.second));
       if (o.events && o.events->enabled()) {  // TensorBoard: the same numbers, at the update count
@@ -276,9 +280,8 @@ EpochResult train_one_epoch(Task& task, torch::nn::Module& model, data::Loader& 
       }
     } else if (log::status_enabled()) {  // an interactive terminal: a live line between the log lines
       const auto eta = estimate(updates_per_epoch - update_idx - 1);
-      log::status(fmt::format("Train: {} [{:>4d}/{} ({:>3.0f}%)]  Loss: {:#.3g}  ETA epoch {}, run {}", o.epoch,
-                              update_idx, updates_per_epoch, 100.0 * double(update_idx + 1) / double(updates_per_epoch),
-                              losses.avg(), format_duration(eta.first), format_duration(eta.second)));
+      log::status(fmt::format("{}  Loss: {:#.3g}  ETA epoch {}, run {}", progress(update_idx), losses.avg(),
+                              format_duration(eta.first), format_duration(eta.second)));
     }
     if (o.save_recovery && o.recovery_interval && (update_idx + 1) % o.recovery_interval == 0 && !last_batch &&
         !run_ends)
