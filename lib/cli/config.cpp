@@ -285,6 +285,18 @@ const std::vector<Flag>& flags() {
       {"roi-align-v2", "", &Config::roi_align_v2, "RoIAlign with aligned=True (Detectron2's ROIAlignV2)", BOTH},
       {"box-loss", "", &Config::box_loss, "Box regression loss of the RoI head", TRAIN, {"smooth_l1", "l1"}},
       {"rpn-box-loss", "", &Config::rpn_box_loss, "Box regression loss of the RPN", TRAIN, {"smooth_l1", "l1"}},
+      {"fpn-channels", "", &Config::fpn_channels,
+       "Detection: channels of the FPN levels, the RPN head and the RoI features (Detectron2's MODEL.FPN.OUT_CHANNELS)",
+       BOTH | BENCH, {}, positive},
+      {"box-head-dim", "", &Config::box_head_dim,
+       "Detection: the box head's representation size (Detectron2's MODEL.ROI_BOX_HEAD.FC_DIM)", BOTH | BENCH, {},
+       positive},
+      {"mask-head-dim", "", &Config::mask_head_dim,
+       "Mask R-CNN: channels of the mask head's convolutions (Detectron2's MODEL.ROI_MASK_HEAD.CONV_DIM)",
+       BOTH | BENCH, {}, positive},
+      {"mask-head-convs", "", &Config::mask_head_convs,
+       "Mask R-CNN: number of the mask head's 3x3 convolutions (Detectron2's MODEL.ROI_MASK_HEAD.NUM_CONV)",
+       BOTH | BENCH, {}, non_negative},
       {"nproc-per-node", "num-gpus", &Config::nproc_per_node,
        "Launch this many worker processes on this node (torchrun's contract; 0: run in this process)", TRAIN | BENCH, {},
        non_negative},
@@ -814,7 +826,8 @@ void check_flags_for_task(const Config& c, const std::string& task, const std::s
       "max-size", "rpn-pre-nms-top-n-train", "rpn-pre-nms-top-n-test", "rpn-post-nms-top-n-train",
       "rpn-post-nms-top-n-test", "rpn-nms-thresh", "rpn-batch-size-per-image", "box-batch-size-per-image",
       "box-score-thresh", "box-nms-thresh", "box-detections-per-img", "box-sampling-ratio", "roi-align-v2", "box-loss",
-      "rpn-box-loss", "two-bucket-grouping", "min-size-test"};
+      "rpn-box-loss", "two-bucket-grouping", "min-size-test", "fpn-channels", "box-head-dim", "mask-head-dim",
+      "mask-head-convs"};
   if (!c.task.empty() && c.task != task)
     throw UserError(fmt::format("--task {}: --model {} is a {} model", c.task, model, task));
   if (task == "classification") {

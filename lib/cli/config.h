@@ -172,6 +172,8 @@ struct Config {
   bool roi_align_v2 = false;
   std::string box_loss = "smooth_l1";
   std::string rpn_box_loss = "smooth_l1";
+  // widths of the detector (torchvision's 256 / 1024 / 256 / 4)
+  int64_t fpn_channels = 256, box_head_dim = 1024, mask_head_dim = 256, mask_head_convs = 4;
 
   // The flags (long names) the command line or the -c file set, for checks that a flag given
   // where it has no effect is an error rather than silently ignored.

@@ -350,7 +350,6 @@ std::vector<Detectron2Setting> detectron2_settings(const std::string& path, cons
   m.fixed("MODEL.RESNETS.WIDTH_PER_GROUP", "64", "torchvision's ResNet");
   m.fixed("MODEL.FPN.IN_FEATURES", "['res2', 'res3', 'res4', 'res5']", tv);
   m.fixed("MODEL.FPN.NORM", "", tv);
-  m.fixed("MODEL.FPN.OUT_CHANNELS", "256", tv);
   m.fixed("MODEL.ANCHOR_GENERATOR.SIZES", "[[32], [64], [128], [256], [512]]", tv);
   m.fixed("MODEL.ANCHOR_GENERATOR.ASPECT_RATIOS", "[[0.5, 1.0, 2.0]]", tv);
   m.fixed("MODEL.RPN.IN_FEATURES", "['p2', 'p3', 'p4', 'p5', 'p6']", tv);
@@ -363,10 +362,8 @@ std::vector<Detectron2Setting> detectron2_settings(const std::string& path, cons
   m.fixed("MODEL.ROI_BOX_HEAD.NAME", "FastRCNNConvFCHead", tv);
   m.fixed("MODEL.ROI_BOX_HEAD.NUM_FC", "2", tv);
   m.fixed("MODEL.ROI_BOX_HEAD.NUM_CONV", "0", tv);
-  m.fixed("MODEL.ROI_BOX_HEAD.FC_DIM", "1024", tv);
   m.fixed("MODEL.ROI_BOX_HEAD.POOLER_RESOLUTION", "7", tv);
   m.fixed("MODEL.ROI_MASK_HEAD.NAME", "MaskRCNNConvUpsampleHead", tv);
-  m.fixed("MODEL.ROI_MASK_HEAD.NUM_CONV", "4", tv);
   m.fixed("MODEL.ROI_MASK_HEAD.POOLER_RESOLUTION", "14", tv);
 
   m.plain("MODEL.RPN.NMS_THRESH", "0.7", "rpn-nms-thresh");
@@ -379,6 +376,11 @@ std::vector<Detectron2Setting> detectron2_settings(const std::string& path, cons
   m.plain("MODEL.ROI_HEADS.SCORE_THRESH_TEST", "0.05", "box-score-thresh");
   m.plain("MODEL.ROI_HEADS.NMS_THRESH_TEST", "0.5", "box-nms-thresh");
   m.plain("TEST.DETECTIONS_PER_IMAGE", "100", "box-detections-per-img");
+  // Widths: taken where the file names them (Base-RCNN-FPN's 256 / 1024 / 256 / 4 are imgtrain's defaults).
+  m.plain("MODEL.FPN.OUT_CHANNELS", "", "fpn-channels");
+  m.plain("MODEL.ROI_BOX_HEAD.FC_DIM", "", "box-head-dim");
+  m.plain("MODEL.ROI_MASK_HEAD.CONV_DIM", "", "mask-head-dim");
+  m.plain("MODEL.ROI_MASK_HEAD.NUM_CONV", "", "mask-head-convs");
 
   // RoIAlign: one setting for the box and mask poolers.
   {

@@ -158,6 +158,10 @@ int benchmark_detection(const cli::Config& cfg, torch::Device device) {
   o.rpn_pre_nms_top_n_test = d.rpn_pre_nms_top_n_test;
   o.rpn_post_nms_top_n_test = d.rpn_post_nms_top_n_test;
   o.rpn_score_thresh = d.rpn_score_thresh;
+  o.fpn_channels = cfg.fpn_channels;  // the architecture's widths
+  o.box_head_dim = cfg.box_head_dim;
+  o.mask_head_dim = cfg.mask_head_dim;
+  o.mask_head_convs = cfg.mask_head_convs;
   torch::manual_seed(uint64_t(cfg.seed));
   det::ImageBatch batch;
   batch.tensors = torch::zeros({b, 3, padded, padded});

@@ -52,6 +52,10 @@ std::map<std::string, std::string> CheckpointMeta::to_metadata() const {
   put_int("img_size", img_size);
   if (global_pool) md["global_pool"] = *global_pool;
   put_double("crop_pct", crop_pct);
+  put_int("fpn_channels", fpn_channels);
+  put_int("box_head_dim", box_head_dim);
+  put_int("mask_head_dim", mask_head_dim);
+  put_int("mask_head_convs", mask_head_convs);
   put_int("epoch", epoch);
   put_int("num_updates", num_updates);
   put_int("recovery_update", recovery_update);
@@ -106,6 +110,10 @@ CheckpointMeta CheckpointMeta::from_metadata(const std::map<std::string, std::st
   m.img_size = in_range("img_size", get_int("img_size"), 1, 8192, "an integer in [1, 8192]");
   if (auto* s = get("global_pool")) m.global_pool = *s;
   m.crop_pct = in_range("crop_pct", get_double("crop_pct"), 0.05, 2, "a number in [0.05, 2]");
+  m.fpn_channels = in_range("fpn_channels", get_int("fpn_channels"), 1, 4096, "an integer in [1, 4096]");
+  m.box_head_dim = in_range("box_head_dim", get_int("box_head_dim"), 1, 4096, "an integer in [1, 4096]");
+  m.mask_head_dim = in_range("mask_head_dim", get_int("mask_head_dim"), 1, 4096, "an integer in [1, 4096]");
+  m.mask_head_convs = in_range("mask_head_convs", get_int("mask_head_convs"), 0, 16, "an integer in [0, 16]");
   m.epoch = get_int("epoch");  // the training position: checked where it is used (require_training)
   m.num_updates = get_int("num_updates");
   m.recovery_update = get_int("recovery_update");

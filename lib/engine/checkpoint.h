@@ -27,6 +27,8 @@ struct CheckpointMeta {
   std::optional<int64_t> num_classes, in_chans, img_size;
   std::optional<std::string> global_pool;
   std::optional<double> crop_pct;
+  // a detector's widths (--fpn-channels, --box-head-dim, --mask-head-dim, --mask-head-convs)
+  std::optional<int64_t> fpn_channels, box_head_dim, mask_head_dim, mask_head_convs;
   // the training position
   std::optional<int64_t> epoch, num_updates;
   std::optional<int64_t> recovery_update;  // a mid-epoch checkpoint: the last update done

@@ -144,28 +144,38 @@ void roi_align_backward_cpu(const at::Tensor& grad, const at::Tensor& rois, doub
   const T* r = rois.data_ptr<T>();
   T* gi = gin.data_ptr<T>();
   // Channels are independent: each thread owns whole channels, so every element's gradient is
-  // summed in the same (RoI, bin, sample) order whatever the thread count.
+  // summed in the same (RoI, bin, sample) order whatever the thread count. A RoI's bilinear taps are
+  // the same for every channel: computed once per RoI (per thread), as in the forward.
   at::parallel_for(0, C, 1, [&](int64_t c0, int64_t c1) {
+    std::vector<Taps<T>> taps;
+    std::vector<uint8_t> inside;
     for (int64_t k = 0; k < K; ++k) {
       const auto g = roi_geom(r + k * 5, scale, ph, pw, sampling, aligned);
+      const int64_t per_bin = g.grid_h * g.grid_w;
+      taps.resize(size_t(ph * pw * per_bin));
+      inside.assign(taps.size(), 0);
+      size_t t = 0;
+      for (int64_t i = 0; i < ph; ++i)
+        for (int64_t j = 0; j < pw; ++j)
+          for (int64_t iy = 0; iy < g.grid_h; ++iy) {
+            const T yy = g.sample_y(i, iy);
+            for (int64_t ix = 0; ix < g.grid_w; ++ix, ++t) inside[t] = bilinear_taps(H, W, yy, g.sample_x(j, ix), taps[t]);
+          }
       for (int64_t c = c0; c < c1; ++c) {
         T* plane = gi + (g.batch * C + c) * H * W;
         const T* o = go + (k * C + c) * ph * pw;
-        for (int64_t i = 0; i < ph; ++i)
-          for (int64_t j = 0; j < pw; ++j) {
-            const T gbin = o[i * pw + j];
-            for (int64_t iy = 0; iy < g.grid_h; ++iy) {
-              const T yy = g.sample_y(i, iy);
-              for (int64_t ix = 0; ix < g.grid_w; ++ix) {
-                Taps<T> q;
-                if (!bilinear_taps(H, W, yy, g.sample_x(j, ix), q)) continue;
-                plane[q.yl * W + q.xl] += gbin * q.w1 / g.count;
-                plane[q.yl * W + q.xh] += gbin * q.w2 / g.count;
-                plane[q.yh * W + q.xl] += gbin * q.w3 / g.count;
-                plane[q.yh * W + q.xh] += gbin * q.w4 / g.count;
-              }
-            }
+        size_t t2 = 0;
+        for (int64_t b = 0; b < ph * pw; ++b) {
+          const T gbin = o[b];
+          for (int64_t s = 0; s < per_bin; ++s, ++t2) {
+            if (!inside[t2]) continue;
+            const auto& q = taps[t2];
+            plane[q.yl * W + q.xl] += gbin * q.w1 / g.count;
+            plane[q.yl * W + q.xh] += gbin * q.w2 / g.count;
+            plane[q.yh * W + q.xl] += gbin * q.w3 / g.count;
+            plane[q.yh * W + q.xh] += gbin * q.w4 / g.count;
           }
+        }
       }
     }
   });

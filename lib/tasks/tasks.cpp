@@ -220,6 +220,10 @@ model_zoo::detection::RCNNOptions rcnn_options(const cli::Config& cfg, int64_t n
   o.roi_aligned = cfg.roi_align_v2;
   o.box_loss = cfg.box_loss;
   o.rpn_box_loss = cfg.rpn_box_loss;
+  o.fpn_channels = cfg.fpn_channels;
+  o.box_head_dim = cfg.box_head_dim;
+  o.mask_head_dim = cfg.mask_head_dim;
+  o.mask_head_convs = cfg.mask_head_convs;
   return o;
 }
 
@@ -236,9 +240,14 @@ engine::DataConfig detection_data_config(const cli::Config& cfg, const std::stri
   return dc;
 }
 
-engine::CheckpointMeta detection_meta(const std::string& arch, int64_t num_classes, const engine::DataConfig& dc) {
+engine::CheckpointMeta detection_meta(const std::string& arch, int64_t num_classes, const engine::DataConfig& dc,
+                                      const cli::Config& cfg) {
   engine::CheckpointMeta m;
   m.arch = arch;
+  m.fpn_channels = cfg.fpn_channels;
+  m.box_head_dim = cfg.box_head_dim;
+  m.mask_head_dim = cfg.mask_head_dim;
+  m.mask_head_convs = cfg.mask_head_convs;
   m.task = "detection";
   m.num_classes = num_classes;
   m.in_chans = 3;
@@ -290,13 +299,23 @@ TaskSetup detection_setup(const cli::Config& given, int64_t rank, int64_t world)
   s.eval_transform.train = false;
   s.eval_transform.min_sizes = {int64_t(eval_min_size(cfg))};
   s.sharded_eval = true;
-  s.model_meta = detection_meta(cfg.model, num_classes, s.data);
+  s.model_meta = detection_meta(cfg.model, num_classes, s.data, cfg);
   return s;
 }
 
 TaskSetup detection_validate_setup(const cli::Config& given, const engine::CheckpointMeta* meta,
                                    const std::string& arch) {
-  const cli::Config cfg = with_model_defaults(given, arch);
+  cli::Config cfg = with_model_defaults(given, arch);
+  // The widths the checkpoint's detector was trained with, unless a flag names them.
+  auto width = [&](const char* flag, int64_t& v, const std::optional<int64_t>& from_meta) {
+    if (meta && from_meta && !cfg.was_given(flag) && !cfg.in_file.count(flag)) v = *from_meta;
+  };
+  if (meta) {
+    width("fpn-channels", cfg.fpn_channels, meta->fpn_channels);
+    width("box-head-dim", cfg.box_head_dim, meta->box_head_dim);
+    width("mask-head-dim", cfg.mask_head_dim, meta->mask_head_dim);
+    width("mask-head-convs", cfg.mask_head_convs, meta->mask_head_convs);
+  }
   TaskSetup s;
   const bool masks = model_zoo::detection::rcnn_has_mask(arch);
   s.data = detection_data_config(cfg, arch);
@@ -320,7 +339,7 @@ TaskSetup detection_validate_setup(const cli::Config& given, const engine::Check
   s.eval_transform.channels = 3;
   s.eval_transform.min_sizes = {int64_t(eval_min_size(cfg))};
   s.sharded_eval = true;
-  s.model_meta = detection_meta(arch, num_classes, s.data);
+  s.model_meta = detection_meta(arch, num_classes, s.data, cfg);
   return s;
 }
 

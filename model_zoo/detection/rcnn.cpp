@@ -253,7 +253,7 @@ struct BackboneImpl : torch::nn::Module {
     std::vector<int64_t> chans;
     const auto info = body->feature_info();
     for (int64_t i = 1; i <= 4; ++i) chans.push_back(info.at(size_t(i)).num_chs);
-    fpn = register_module("fpn", FPN(chans, 256, a.v2));
+    fpn = register_module("fpn", FPN(chans, o.fpn_channels, a.v2));
     // torchvision: FrozenBatchNorm2d in a body that starts from weights (the v1 builders).
     if (o.from_weights && !a.v2)
       for (auto& m : body->modules(false))
@@ -283,7 +283,7 @@ struct BackboneImpl : torch::nn::Module {
   // weights; the first stage_indices[6 - t] features frozen for t trainable layers (0..6).
   void build_mobilenet(const RCNNOptions& o) {
     mobilenet = register_module("body", MobileNetV3Body());
-    fpn = register_module("fpn", FPN(std::vector<int64_t>{160, 960}, 256, false));
+    fpn = register_module("fpn", FPN(std::vector<int64_t>{160, 960}, o.fpn_channels, false));
     if (o.from_weights)
       for (auto& m : mobilenet->modules(false))
         if (auto* bn = m->as<imgtrain::BatchNorm2dImpl>()) bn->freeze(o.frozen_bn_eps);
@@ -333,7 +333,7 @@ TORCH_MODULE(RPNHead);
 
 struct RPNImpl : torch::nn::Module {
   RPNHead head{nullptr};
-  RPNImpl(int64_t depth, int64_t anchors) { head = register_module("head", RPNHead(256, anchors, depth)); }
+  RPNImpl(int64_t in, int64_t depth, int64_t anchors) { head = register_module("head", RPNHead(in, anchors, depth)); }
 };
 TORCH_MODULE(RPN);
 
@@ -358,13 +358,13 @@ struct FastRCNNPredictorImpl : torch::nn::Module {
 };
 TORCH_MODULE(FastRCNNPredictor);
 
-// FastRCNNConvFCHead (v2): four 3x3 conv-BN-ReLU, flatten, Linear 1024, ReLU.
-Seq conv_fc_head(int64_t in, int64_t res) {
+// FastRCNNConvFCHead (v2): four 3x3 conv-BN-ReLU (256 channels), flatten, Linear `rep`, ReLU.
+Seq conv_fc_head(int64_t in, int64_t res, int64_t rep) {
   Seq s;
   int64_t c = in;
   for (int i = 0; i < 4; ++i, c = 256) s->push_back(std::to_string(i), ConvNormAct(c, 256, 3, true, true));
   s->push_back("4", torch::nn::Flatten());
-  s->push_back("5", Linear(256 * res * res, 1024));
+  s->push_back("5", Linear(256 * res * res, rep));
   s->push_back("6", torch::nn::ReLU(torch::nn::ReLUOptions(true)));
   torch::NoGradGuard ng;
   for_each_conv(*s, [](torch::nn::Conv2dImpl& c) {
@@ -374,11 +374,11 @@ Seq conv_fc_head(int64_t in, int64_t res) {
   return s;
 }
 
-// MaskRCNNHeads: four 3x3 conv(-BN)-ReLU.
-Sequential mask_heads(int64_t in, bool bn) {
+// MaskRCNNHeads: `n` 3x3 conv(-BN)-ReLU of `dim` channels (torchvision: four of 256).
+Sequential mask_heads(int64_t in, int64_t dim, int64_t n, bool bn) {
   Sequential s;
   int64_t c = in;
-  for (int i = 0; i < 4; ++i, c = 256) s->push_back(std::to_string(i), ConvNormAct(c, 256, 3, bn, true));
+  for (int64_t i = 0; i < n; ++i, c = dim) s->push_back(std::to_string(i), ConvNormAct(c, dim, 3, bn, true));
   torch::NoGradGuard ng;
   for_each_conv(*s, [](torch::nn::Conv2dImpl& c) {
     torch::nn::init::kaiming_normal_(c.weight, 0.0, torch::kFanOut, torch::kReLU);
@@ -405,15 +405,18 @@ struct RoIHeadsImpl : torch::nn::Module {
   FastRCNNPredictor box_predictor{nullptr};
   Sequential mask_head{nullptr}, mask_predictor{nullptr};
   RoIHeadsImpl(const Arch& a, const RCNNOptions& o) {
+    const int64_t c = o.fpn_channels;
     if (a.v2) {
-      box_head = torch::nn::AnyModule(register_module("box_head", conv_fc_head(256, 7)));
+      box_head = torch::nn::AnyModule(register_module("box_head", conv_fc_head(c, 7, o.box_head_dim)));
     } else {
-      box_head = torch::nn::AnyModule(register_module("box_head", TwoMLPHead(256 * 7 * 7, 1024)));
+      box_head = torch::nn::AnyModule(register_module("box_head", TwoMLPHead(c * 7 * 7, o.box_head_dim)));
     }
-    box_predictor = register_module("box_predictor", FastRCNNPredictor(1024, o.num_classes));
+    box_predictor = register_module("box_predictor", FastRCNNPredictor(o.box_head_dim, o.num_classes));
     if (a.mask) {
-      mask_head = register_module("mask_head", mask_heads(256, a.v2));
-      mask_predictor = register_module("mask_predictor", detection::mask_predictor(256, 256, o.num_classes));
+      mask_head = register_module("mask_head", mask_heads(c, o.mask_head_dim, o.mask_head_convs, a.v2));
+      const int64_t in = o.mask_head_convs > 0 ? o.mask_head_dim : c;
+      mask_predictor =
+          register_module("mask_predictor", detection::mask_predictor(in, o.mask_head_dim, o.num_classes));
     }
   }
 };
@@ -579,8 +582,16 @@ GeneralizedRCNNImpl::GeneralizedRCNNImpl(const std::string& arch, RCNNOptions o)
     throw UserError(fmt::format("--num-classes {}: a detector needs the background and at least one class",
                                 o_.num_classes));
   impl = std::make_shared<Impl>();
+  auto width = [](const char* flag, int64_t v) {
+    if (v < 1 || v > 4096) throw UserError(fmt::format("--{} {}: expected 1 to 4096", flag, v));
+  };
+  width("fpn-channels", o_.fpn_channels);
+  width("box-head-dim", o_.box_head_dim);
+  width("mask-head-dim", o_.mask_head_dim);
+  if (o_.mask_head_convs < 0 || o_.mask_head_convs > 16)
+    throw UserError(fmt::format("--mask-head-convs {}: expected 0 to 16", o_.mask_head_convs));
   impl->backbone = register_module("backbone", Backbone(a, o_));
-  impl->rpn = register_module("rpn", RPN(a.v2 ? 2 : 1, a.mobilenet() ? 15 : 3));
+  impl->rpn = register_module("rpn", RPN(o_.fpn_channels, a.v2 ? 2 : 1, a.mobilenet() ? 15 : 3));
   impl->roi_heads = register_module("roi_heads", RoIHeads(a, o_));
 }
 
@@ -769,7 +780,7 @@ RCNNResult GeneralizedRCNNImpl::forward(const ImageBatch& images, const std::vec
       for (auto& d : res.detections) mask_props.push_back(d.boxes);
     }
     auto mf = multiscale_roi_align(levels4, mask_props, images.sizes, 14, o.mask_sampling_ratio, o.roi_aligned);
-    auto mask_logits = heads.mask_predictor->forward(heads.mask_head->forward(mf)).to(at::kFloat);
+    auto mask_logits = heads.mask_predictor->forward(heads.mask_head->size() ? heads.mask_head->forward(mf) : mf).to(at::kFloat);
     if (training) {  // maskrcnn_loss
       std::vector<at::Tensor> labels, mask_targets;
       const int64_t M = mask_logits.size(-1);

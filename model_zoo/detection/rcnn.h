@@ -47,6 +47,12 @@ struct RCNNOptions {
   // "smooth_l1" (torchvision, beta 1/9) or "l1" (Detectron2's default box regression loss).
   std::string box_loss = "smooth_l1";
   std::string rpn_box_loss = "smooth_l1";  // the RPN's: torchvision's smooth-L1 (beta 1/9) or L1 (Detectron2)
+  // Widths (torchvision's module arguments; Detectron2's MODEL.FPN.OUT_CHANNELS,
+  // MODEL.ROI_BOX_HEAD.FC_DIM, MODEL.ROI_MASK_HEAD.CONV_DIM / NUM_CONV): the FPN's output channels
+  // (also the RPN head's and the RoI features'), the box head's representation size (TwoMLPHead, or
+  // the v2 head's Linear), the mask head's convolution channels (and the predictor's transposed
+  // convolution) and its number of convolutions. torchvision's builders use 256 / 1024 / 256 / 4.
+  int64_t fpn_channels = 256, box_head_dim = 1024, mask_head_dim = 256, mask_head_convs = 4;
   // Tests: the balanced samplers take the first candidates instead of a random permutation.
   bool deterministic_sampling = false;
 };

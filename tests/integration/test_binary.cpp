@@ -925,9 +925,11 @@ TEST_CASE("a second run into a folder in use is refused in one line naming the h
 }
 
 namespace {
-// Mask R-CNN on the small generated COCO set (parity_make_fashion_coco), sized to run in seconds.
+// Mask R-CNN on the small generated COCO set (parity_make_fashion_coco), sized to run in seconds
+// (narrower than torchvision's: validate must take the widths from the checkpoint).
 const std::string kDetArgs =
     " --model maskrcnn_resnet18_fpn --dataset coco -b 2 --min-size 96 --max-size 160 --lr 0.01 --warmup-epochs 0"
+    " --fpn-channels 64 --box-head-dim 256 --mask-head-dim 64 --mask-head-convs 2"
     " --sched multistep --decay-milestones 10 --weight-decay 1e-4 -j 2 --device cpu --log-interval 4"
     " --box-batch-size-per-image 64 --rpn-post-nms-top-n-train 300 --rpn-pre-nms-top-n-test 300"
     " --rpn-post-nms-top-n-test 300 ";

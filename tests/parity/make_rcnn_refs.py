@@ -10,7 +10,10 @@ deterministic_sampling) and the gradients of a few parameters.
 Models: torchvision's fasterrcnn_mobilenet_v3_large_fpn and _320_fpn (their builders' RPN
 settings, images at 256..400 as the others), maskrcnn_resnet50_fpn_v2 (BatchNorm FPN, two-conv RPN head, conv heads) and a
 v1 Mask R-CNN on resnet_fpn_backbone('resnet18') (imgtrain's maskrcnn_resnet18_fpn), both with 3
-classes so that softmax scores pass the 0.05 threshold, and fasterrcnn_resnet18 (v1 box head only).
+classes so that softmax scores pass the 0.05 threshold, and fasterrcnn_resnet18 (v1 box head only);
+maskrcnn_resnet18_fpn_narrow is the R18 Mask R-CNN with other widths (imgtrain's --fpn-channels 96
+--box-head-dim 384 --mask-head-dim 64 --mask-head-convs 2): BackboneWithFPN(out_channels=96),
+TwoMLPHead(96 * 7 * 7, 384), MaskRCNNHeads(96, [64, 64], 1), MaskRCNNPredictor(64, 64, 3).
 """
 import os, sys
 
@@ -20,7 +23,10 @@ from torch import nn
 from torchvision.models.detection import (FasterRCNN, MaskRCNN, fasterrcnn_mobilenet_v3_large_320_fpn,
                                           fasterrcnn_mobilenet_v3_large_fpn, maskrcnn_resnet50_fpn_v2)
 from torchvision.models.detection import _utils as det_utils
-from torchvision.models.detection.backbone_utils import resnet_fpn_backbone
+from torchvision.models import resnet18
+from torchvision.models.detection.backbone_utils import BackboneWithFPN, resnet_fpn_backbone
+from torchvision.models.detection.faster_rcnn import FastRCNNPredictor, TwoMLPHead
+from torchvision.models.detection.mask_rcnn import MaskRCNNHeads, MaskRCNNPredictor
 
 out = sys.argv[1]
 os.makedirs(out, exist_ok=True)
@@ -47,13 +53,19 @@ def make(arch):
         return b(weights=None, weights_backbone=None, num_classes=3, min_size=256, max_size=400)
     if arch == "maskrcnn_resnet50_fpn_v2":
         return maskrcnn_resnet50_fpn_v2(weights=None, weights_backbone=None, num_classes=3, min_size=256, max_size=400)
+    if arch == "maskrcnn_resnet18_fpn_narrow":
+        body = resnet18(weights=None, norm_layer=nn.BatchNorm2d)
+        bb = BackboneWithFPN(body, {"layer1": "0", "layer2": "1", "layer3": "2", "layer4": "3"}, [64, 128, 256, 512], 96)
+        return MaskRCNN(bb, num_classes=None, min_size=256, max_size=400, box_head=TwoMLPHead(96 * 7 * 7, 384),
+                        box_predictor=FastRCNNPredictor(384, 3), mask_head=MaskRCNNHeads(96, [64, 64], 1),
+                        mask_predictor=MaskRCNNPredictor(64, 64, 3))
     bb = resnet_fpn_backbone(backbone_name="resnet18", weights=None, norm_layer=nn.BatchNorm2d, trainable_layers=5)
     cls = MaskRCNN if arch.startswith("mask") else FasterRCNN
     return cls(bb, num_classes=3, min_size=256, max_size=400)
 
 
 for arch in ["maskrcnn_resnet18_fpn", "fasterrcnn_resnet18_fpn", "maskrcnn_resnet50_fpn_v2",
-             "fasterrcnn_mobilenet_v3_large_fpn", "fasterrcnn_mobilenet_v3_large_320_fpn"]:
+             "fasterrcnn_mobilenet_v3_large_fpn", "fasterrcnn_mobilenet_v3_large_320_fpn", "maskrcnn_resnet18_fpn_narrow"]:
     model = make(arch)
     t = {}
     # two images of different sizes with objects (boxes and masks)

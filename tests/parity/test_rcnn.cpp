@@ -29,9 +29,19 @@ Refs load(const std::string& arch) {
   return {io::load_safetensors(std::string(IMGTRAIN_PARITY_DIR) + "/rcnn/" + arch + ".safetensors")};
 }
 
-GeneralizedRCNN model_for(const std::string& arch, const Refs& r) {
+// "<arch>_narrow": the model with make_rcnn_refs.py's other widths.
+GeneralizedRCNN model_for(const std::string& ref, const Refs& r) {
+  const std::string narrow = "_narrow";
+  const bool is_narrow = ref.size() > narrow.size() && ref.ends_with(narrow);
+  const std::string arch = is_narrow ? ref.substr(0, ref.size() - narrow.size()) : ref;
   RCNNOptions o;
   o.num_classes = 3;
+  if (is_narrow) {
+    o.fpn_channels = 96;
+    o.box_head_dim = 384;
+    o.mask_head_dim = 64;
+    o.mask_head_convs = 2;
+  }
   o.deterministic_sampling = true;
   const auto d = rcnn_defaults(arch);  // what the builder sets (the MobileNetV3 detectors' RPN numbers)
   o.rpn_pre_nms_top_n_test = d.rpn_pre_nms_top_n_test;
@@ -145,6 +155,10 @@ TEST_CASE("Faster R-CNN R18-FPN training losses and gradients equal torchvision'
 }
 TEST_CASE("Mask R-CNN R50-FPN v2 training losses and gradients equal torchvision's", "[parity][rcnn]") {
   train_parity("maskrcnn_resnet50_fpn_v2");
+}
+TEST_CASE("Mask R-CNN R18-FPN with other widths equals torchvision's in evaluation and training", "[parity][rcnn]") {
+  eval_parity("maskrcnn_resnet18_fpn_narrow");
+  train_parity("maskrcnn_resnet18_fpn_narrow");
 }
 TEST_CASE("Faster R-CNN MobileNetV3-Large FPN evaluation equals torchvision's", "[parity][rcnn]") {
   eval_parity("fasterrcnn_mobilenet_v3_large_fpn");

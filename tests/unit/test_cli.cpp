@@ -575,6 +575,31 @@ TEST_CASE("Detectron2 keys imgtrain cannot honour are refused by name", "[cli][d
   CHECK(train({"-c", (d / "x.yaml")}).trainable_backbone_layers == 5);
 }
 
+TEST_CASE("a detector's widths come from flags or Detectron2's keys, and are checked", "[cli][detectron2]") {
+  test::TempDir d("d2w");
+  test::write_file(d / "w.yaml",
+                   "MODEL:\n  FPN:\n    OUT_CHANNELS: 128\n  ROI_BOX_HEAD:\n    FC_DIM: 512\n"
+                   "  ROI_MASK_HEAD:\n    CONV_DIM: 64\n    NUM_CONV: 2\n");
+  auto c = train({"-c", d / "w.yaml"});
+  CHECK(c.fpn_channels == 128);
+  CHECK(c.box_head_dim == 512);
+  CHECK(c.mask_head_dim == 64);
+  CHECK(c.mask_head_convs == 2);
+  auto dflt = train({"--model", "maskrcnn_resnet18_fpn"});
+  CHECK(dflt.fpn_channels == 256);
+  CHECK(dflt.box_head_dim == 1024);
+  CHECK(dflt.mask_head_dim == 256);
+  CHECK(dflt.mask_head_convs == 4);
+  auto flags = train({"-c", d / "w.yaml", "--fpn-channels", "32", "--mask-head-convs", "0"});
+  CHECK(flags.fpn_channels == 32);  // the command line wins
+  CHECK(flags.mask_head_convs == 0);
+  CHECK_THAT(error_of({"--fpn-channels", "0"}), Catch::StartsWith("--fpn-channels '0': expected a positive"));
+  CHECK_THAT(error_of({"--mask-head-convs", "-1"}), Catch::StartsWith("--mask-head-convs '-1': expected"));
+  CHECK_THROWS_WITH(imgtrain::cli::check_flags_for_task(train({"--model", "resnet18", "--box-head-dim", "64"}),
+                                                       "classification", "resnet18"),
+                    Catch::Contains("--box-head-dim applies to detection models only"));
+}
+
 TEST_CASE("the detection recipes parse: torchvision's, Detectron2's R101 3x, and the same in imgtrain keys with O2",
           "[cli][detectron2]") {
   const std::string dir = std::string(IMGTRAIN_SOURCE_DIR) + "/configs/detection/";
