@@ -43,6 +43,7 @@ struct Flag {
 };
 
 std::string positive(double v) { return v > 0 ? "" : "a positive number"; }
+std::string jitter_scale(double v) { return v > 0 && v <= 16 ? "" : "a number in (0, 16]"; }
 std::string non_negative(double v) { return v >= 0 ? "" : "a number >= 0"; }
 std::string probability(double v) { return v >= 0 && v <= 1 ? "" : "a number in [0, 1]"; }
 // above 1: the resized image is smaller than the crop, which pads it (timm / torchvision CenterCrop)
@@ -250,8 +251,14 @@ const std::vector<Flag>& flags() {
       {"rpn-score-thresh", "", &Config::rpn_score_thresh, "Minimum objectness of an RPN proposal", BOTH, {},
        probability},
       {"data-augmentation", "", &Config::data_augmentation,
-       "Detection training augmentation: hflip, or multiscale (shorter side drawn from 480..800 by 32, and hflip)",
-       TRAIN, {"hflip", "multiscale"}},
+       "Detection training augmentation: hflip; multiscale (shorter side drawn from 480..800 by 32, and hflip); "
+       "lsj (large-scale jitter: resize by --lsj-scale, crop or pad to --lsj-size, and hflip)",
+       TRAIN, {"hflip", "multiscale", "lsj"}},
+      {"lsj-size", "", &Config::lsj_size,
+       "Detection, --data-augmentation lsj: the square crop's side (torchvision's 1024)", TRAIN, {}, image_side},
+      {"lsj-scale", "", &Config::lsj_scale,
+       "Detection, --data-augmentation lsj: the range of the jitter's scale (two numbers)", TRAIN, {}, jitter_scale, 2,
+       true},
       {"two-bucket-grouping", "", &Config::two_bucket_grouping,
        "Detection: batch landscape images apart from the rest (Detectron2's aspect-ratio grouping) instead of "
        "--aspect-ratio-group-factor",
@@ -827,7 +834,7 @@ void check_flags_for_task(const Config& c, const std::string& task, const std::s
       "rpn-post-nms-top-n-test", "rpn-nms-thresh", "rpn-batch-size-per-image", "box-batch-size-per-image",
       "box-score-thresh", "box-nms-thresh", "box-detections-per-img", "box-sampling-ratio", "roi-align-v2", "box-loss",
       "rpn-box-loss", "two-bucket-grouping", "min-size-test", "fpn-channels", "box-head-dim", "mask-head-dim",
-      "mask-head-convs"};
+      "mask-head-convs", "lsj-size", "lsj-scale"};
   if (!c.task.empty() && c.task != task)
     throw UserError(fmt::format("--task {}: --model {} is a {} model", c.task, model, task));
   if (task == "classification") {
@@ -841,6 +848,11 @@ void check_flags_for_task(const Config& c, const std::string& task, const std::s
     if (c.was_given(f))
       throw UserError(fmt::format("--{} applies to classification models only; --model {} is a {} model", f, model,
                                   task));
+  if (c.data_augmentation != "lsj")
+    for (const char* f : {"lsj-size", "lsj-scale"})
+      if (c.was_given(f) || c.in_file.count(f))
+        throw UserError(fmt::format("--{} applies with --data-augmentation lsj only (it is {})", f,
+                                    c.data_augmentation));
 }
 
 std::string to_yaml(Command cmd, const Config& c) {

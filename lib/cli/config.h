@@ -157,6 +157,8 @@ struct Config {
   std::optional<int64_t> trainable_backbone_layers;
   double rpn_score_thresh = 0.0;
   std::string data_augmentation = "hflip";
+  int64_t lsj_size = 1024;                 // --data-augmentation lsj: ScaleJitter / FixedSizeCrop side
+  std::vector<double> lsj_scale{0.1, 2.0};  // and ScaleJitter's scale range
   std::vector<double> min_size{800};
   std::optional<double> min_size_test;  // evaluation's shorter side ("" = the last --min-size)
   double max_size = 1333;

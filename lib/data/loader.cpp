@@ -341,7 +341,15 @@ Batch Loader::make_detection_batch(size_t begin, size_t end) {
       img = decode_image(bytes, ds_->describe(i));  // the whole image: the model resizes it
       if (img.channels() == 1 && tc_.channels == 3) cv::cvtColor(img, img, cv::COLOR_GRAY2RGB);  // PIL's convert("RGB")
       t = ds_->target(i);
-      if (tc_.train && !tc_.no_aug) random_hflip(img, t, tc_.hflip, rng);
+      if (tc_.train && !tc_.no_aug) {
+        if (tc_.lsj_size > 0) {  // ScaleJitter, FixedSizeCrop (fill: the references' mean 123, 117, 104)
+          const double lo = tc_.lsj_scale[0], hi = tc_.lsj_scale[1];
+          const float scale = float(lo) + float(uniform01(rng)) * float(hi - lo);  // torch.rand's float32
+          const float crop = float(uniform01(rng));
+          scale_jitter_crop(img, t, tc_.lsj_size, scale, crop, cv::Scalar(123, 117, 104));
+        }
+        random_hflip(img, t, tc_.hflip, rng);
+      }
       // GeneralizedRCNNTransform's torch_choice of the training min size, drawn here per sample
       if (!tc_.min_sizes.empty())
         t.min_size = tc_.train && tc_.min_sizes.size() > 1

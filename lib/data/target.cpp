@@ -1,6 +1,7 @@
 #include "data/target.h"
 
 #include "core/rng.h"
+#include "data/resample.h"
 
 #include <torch/torch.h>
 
@@ -32,6 +33,84 @@ bool random_hflip(cv::Mat& img, BoxTarget& t, double p, std::mt19937_64& rng) {
     t.boxes.select(1, 2).copy_(w - x1);
   }
   return true;
+}
+
+namespace {
+
+// torch's nearest source index (upsample nearest, size given): floor(dst * (in / out)) in float32,
+// at most in - 1.
+std::vector<uint32_t> nearest_sources(int64_t in, int64_t out) {
+  std::vector<uint32_t> src(static_cast<size_t>(out));
+  const float s = float(in) / float(out);
+  for (int64_t d = 0; d < out; ++d)
+    src[size_t(d)] = uint32_t(std::min<int64_t>(int64_t(std::floor(float(d) * s)), in - 1));
+  return src;
+}
+
+}  // namespace
+
+void scale_jitter_crop(cv::Mat& img, BoxTarget& t, int64_t size, float scale, float crop, const cv::Scalar& fill) {
+  if (size < 1) throw std::invalid_argument("scale_jitter_crop: size < 1");
+  const int64_t oh = img.rows, ow = img.cols;
+  // ScaleJitter: r = min(size / h, size / w) * scale, the Python float taken to float32 by the
+  // multiplication with the float32 draw; the new sides truncate float32 products. A side that
+  // would be 0 (torchvision fails there) is kept at 1.
+  const float r = float(std::min(double(size) / double(oh), double(size) / double(ow))) * scale;
+  const int64_t nh = std::max<int64_t>(1, int64_t(float(oh) * r));
+  const int64_t nw = std::max<int64_t>(1, int64_t(float(ow) * r));
+  img = pil_resize(img, cv::Size(int(nw), int(nh)), Resample::bilinear);
+  const bool has_boxes = t.boxes.defined() && t.boxes.numel() > 0;
+  if (has_boxes) {
+    const float rx = float(double(nw) / double(ow)), ry = float(double(nh) / double(oh));
+    t.boxes = t.boxes * torch::tensor({rx, ry, rx, ry}, t.boxes.options());
+  }
+  // FixedSizeCrop: one draw places the crop on both sides; then pad to size x size.
+  const int64_t ch = std::min(nh, size), cw = std::min(nw, size);
+  int64_t top = 0, left = 0;
+  std::vector<int64_t> keep;  // the instances that survive the crop (all when nothing is cut)
+  const int64_t n = has_boxes ? t.boxes.size(0) : int64_t(t.masks.size());
+  if (ch != nh || cw != nw) {
+    top = int64_t(float(std::max<int64_t>(nh - size, 0)) * crop);
+    left = int64_t(float(std::max<int64_t>(nw - size, 0)) * crop);
+    img = img(cv::Rect(int(left), int(top), int(cw), int(ch))).clone();
+    if (has_boxes) {
+      auto b = t.boxes.clone();
+      auto x = b.slice(1, 0, 4, 2), y = b.slice(1, 1, 4, 2);
+      x.sub_(float(left)).clamp_(0.0f, float(cw));
+      y.sub_(float(top)).clamp_(0.0f, float(ch));
+      const auto valid = (b.select(1, 0) < b.select(1, 2)).logical_and(b.select(1, 1) < b.select(1, 3));
+      const auto idx = valid.nonzero().view({-1});
+      t.boxes = b.index_select(0, idx);
+      if (t.labels.defined() && t.labels.numel() == n) t.labels = t.labels.index_select(0, idx);
+      const auto acc = idx.accessor<int64_t, 1>();
+      for (int64_t i = 0; i < idx.size(0); ++i) keep.push_back(acc[i]);
+    }
+  } else {
+    for (int64_t i = 0; i < n; ++i) keep.push_back(i);
+  }
+  if (ch < size || cw < size)
+    cv::copyMakeBorder(img, img, 0, int(size - ch), 0, int(size - cw), cv::BORDER_CONSTANT, fill);
+  if (!t.masks.empty()) {
+    // nearest resize, crop and zero pad in one pass over the column-major output
+    const auto sy = nearest_sources(oh, nh), sx = nearest_sources(ow, nw);
+    std::vector<coco::Rle> out;
+    out.reserve(keep.size());
+    std::vector<uint8_t> dst(size_t(size * size));
+    for (int64_t k : keep) {
+      if (k >= int64_t(t.masks.size())) throw std::invalid_argument("scale_jitter_crop: fewer masks than boxes");
+      const auto& m = t.masks[size_t(k)];
+      if (int64_t(m.h) != oh || int64_t(m.w) != ow) throw std::invalid_argument("scale_jitter_crop: mask size");
+      const auto src = coco::rle_decode(m);
+      std::fill(dst.begin(), dst.end(), uint8_t(0));
+      for (int64_t x = 0; x < cw; ++x) {
+        const uint8_t* col = src.data() + size_t(sx[size_t(x + left)]) * size_t(oh);
+        uint8_t* o = dst.data() + size_t(x) * size_t(size);
+        for (int64_t y = 0; y < ch; ++y) o[y] = col[sy[size_t(y + top)]];
+      }
+      out.push_back(coco::rle_encode(dst.data(), uint32_t(size), uint32_t(size)));
+    }
+    t.masks = std::move(out);
+  }
 }
 
 void resize_boxes(BoxTarget& t, cv::Size from, cv::Size to) {

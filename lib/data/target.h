@@ -28,6 +28,15 @@ struct BoxTarget {
 // One image and its target through a horizontal flip drawn with probability `p` from `rng`
 // (one draw for image, boxes and masks). Returns whether it flipped.
 bool random_hflip(cv::Mat& img, BoxTarget& t, double p, std::mt19937_64& rng);
+// torchvision's large-scale jitter (references/detection: ScaleJitter(target_size=(size, size))
+// then FixedSizeCrop(size, fill)) with its random draws given: `scale` from the scale range and
+// `crop` in [0, 1) (float32, as torch.rand). The image is resized by PIL's bilinear filter to
+// floor(side * r), r = min(size / h, size / w) * scale in float32; boxes by the float32 ratio of
+// the new to the old side; masks by torch's nearest interpolation. A side longer than `size` is
+// cropped at offset int((side - size) * crop) (one draw for both sides); boxes are shifted,
+// clamped into the crop, and those left empty dropped with their labels and masks. A side shorter
+// than `size` is padded at the bottom / right with `fill` (masks with 0). Result: size x size.
+void scale_jitter_crop(cv::Mat& img, BoxTarget& t, int64_t size, float scale, float crop, const cv::Scalar& fill);
 // The boxes of an image resized from `from` to `to` (each axis scaled by its own ratio).
 void resize_boxes(BoxTarget& t, cv::Size from, cv::Size to);
 // A mask mirrored left to right, in RLE form (the column order reversed).

@@ -45,6 +45,10 @@ struct TransformConfig {
   // training sample (torchvision's min_size tuple, Detectron2's ResizeShortestEdge choices); the
   // last one for evaluation. Empty: the model's own default.
   std::vector<int64_t> min_sizes;
+  // Detection, large-scale jitter (torchvision's --data-augmentation lsj) before the flip:
+  // lsj_size > 0 turns it on (data/target.h scale_jitter_crop), the scale drawn from lsj_scale.
+  int64_t lsj_size = 0;
+  std::vector<double> lsj_scale{0.1, 2.0};
 };
 
 struct CropBox {

@@ -295,6 +295,10 @@ TaskSetup detection_setup(const cli::Config& given, int64_t rank, int64_t world)
   tc.min_sizes = to_sizes(cfg.min_size);
   if (cfg.data_augmentation == "multiscale" && !cfg.was_given("min-size"))
     tc.min_sizes = {480, 512, 544, 576, 608, 640, 672, 704, 736, 768, 800};  // torchvision's presets
+  if (cfg.data_augmentation == "lsj") {
+    tc.lsj_size = cfg.lsj_size;
+    tc.lsj_scale = cfg.lsj_scale;
+  }
   s.eval_transform = tc;
   s.eval_transform.train = false;
   s.eval_transform.min_sizes = {int64_t(eval_min_size(cfg))};

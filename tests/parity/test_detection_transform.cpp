@@ -56,3 +56,44 @@ TEST_CASE("detection resize and batch equal torchvision's GeneralizedRCNNTransfo
   }
   CHECK(cases == 5);
 }
+
+TEST_CASE("large-scale jitter equals torchvision's ScaleJitter and FixedSizeCrop", "[parity][detection]") {
+  const auto refs = io::load_safetensors(std::string(IMGTRAIN_PARITY_DIR) + "/detection/lsj.safetensors");
+  auto get = [&](const std::string& k) {
+    const at::Tensor* t = refs.find(k);
+    if (!t) FAIL("missing reference " << k);
+    return *t;
+  };
+  int cases = 0, dropped = 0;
+  for (int i = 0; refs.find(fmt::format("l{}_params", i)); ++i, ++cases) {
+    const std::string c = fmt::format("l{}_", i);
+    const auto p = get(c + "params");
+    const int64_t size = int64_t(p[0].item<double>());
+    const float scale = float(p[1].item<double>()), crop = float(p[2].item<double>());
+    INFO("case " << i << " size " << size << " scale " << scale << " crop " << crop);
+    const auto in = get(c + "in");
+    cv::Mat img(int(in.size(0)), int(in.size(1)), CV_8UC3, const_cast<uint8_t*>(in.data_ptr<uint8_t>()));
+    img = img.clone();
+    data::BoxTarget t;
+    t.boxes = get(c + "boxes");
+    t.labels = torch::arange(1, t.boxes.size(0) + 1, torch::kLong);
+    const auto dense = get(c + "masks");
+    for (int64_t n = 0; n < dense.size(0); ++n) {
+      auto colmajor = dense[n].t().contiguous();
+      t.masks.push_back(coco::rle_encode(colmajor.data_ptr<uint8_t>(), uint32_t(dense.size(1)), uint32_t(dense.size(2))));
+    }
+    data::scale_jitter_crop(img, t, size, scale, crop, cv::Scalar(123, 117, 104));
+    const auto want = get(c + "out");
+    REQUIRE(img.rows == want.size(0));
+    REQUIRE(img.cols == want.size(1));
+    CHECK(torch::equal(torch::from_blob(img.data, {img.rows, img.cols, 3}, torch::kByte), want));
+    CHECK(torch::equal(t.boxes, get(c + "oboxes")));
+    CHECK(torch::equal(t.labels, get(c + "olabels")));
+    const auto om = get(c + "omasks");
+    REQUIRE(int64_t(t.masks.size()) == om.size(0));
+    if (om.size(0)) CHECK(torch::equal(data::dense_masks(t), om));
+    dropped += int(dense.size(0) - om.size(0));
+  }
+  CHECK(cases == 8);
+  CHECK(dropped > 0);  // the cases include boxes the crop removes
+}

@@ -600,6 +600,25 @@ TEST_CASE("a detector's widths come from flags or Detectron2's keys, and are che
                     Catch::Contains("--box-head-dim applies to detection models only"));
 }
 
+TEST_CASE("large-scale jitter: --data-augmentation lsj with its size and scale range, checked", "[cli]") {
+  auto c = train({"--model", "maskrcnn_resnet18_fpn", "--data-augmentation", "lsj"});
+  CHECK(c.lsj_size == 1024);  // torchvision's
+  CHECK(c.lsj_scale == std::vector<double>{0.1, 2.0});
+  c = train({"--model", "maskrcnn_resnet18_fpn", "--data-augmentation", "lsj", "--lsj-size", "160", "--lsj-scale",
+             "0.5", "1.5"});
+  CHECK(c.lsj_size == 160);
+  CHECK(c.lsj_scale == std::vector<double>{0.5, 1.5});
+  imgtrain::cli::check_flags_for_task(c, "detection", "maskrcnn_resnet18_fpn");
+  CHECK_THAT(error_of({"--lsj-scale", "0", "1"}), Catch::StartsWith("--lsj-scale"));
+  CHECK_THAT(error_of({"--lsj-scale", "1.5", "0.5"}), Catch::StartsWith("--lsj-scale"));
+  CHECK_THAT(error_of({"--lsj-scale", "1", "100"}), Catch::StartsWith("--lsj-scale"));
+  CHECK_THAT(error_of({"--lsj-size", "0"}), Catch::StartsWith("--lsj-size"));
+  CHECK_THAT(error_of({"--data-augmentation", "mosaic"}), Catch::Contains("lsj"));
+  CHECK_THROWS_WITH(imgtrain::cli::check_flags_for_task(train({"--model", "maskrcnn_resnet18_fpn", "--lsj-size", "64"}),
+                                                       "detection", "maskrcnn_resnet18_fpn"),
+                    Catch::Contains("--lsj-size applies with --data-augmentation lsj only"));
+}
+
 TEST_CASE("the detection recipes parse: torchvision's, Detectron2's R101 3x, and the same in imgtrain keys with O2",
           "[cli][detectron2]") {
   const std::string dir = std::string(IMGTRAIN_SOURCE_DIR) + "/configs/detection/";

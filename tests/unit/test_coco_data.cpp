@@ -260,6 +260,43 @@ TEST_CASE("loader: detection batches of whole images, flipped with their targets
   CHECK(all == std::multiset<int64_t>{3, 4, 5, 7, 9});
 }
 
+TEST_CASE("loader: large-scale jitter gives size x size images whose boxes and masks stay inside", "[data][coco]") {
+  CocoFolder f;
+  auto ds = open_coco(f.dir.path.string(), "train", "", {.train = false});
+  TransformConfig tc;
+  tc.train = true;
+  tc.lsj_size = 48;
+  tc.lsj_scale = {0.3, 2.0};
+  LoaderOptions lo;
+  lo.batch_size = 2;
+  lo.workers = 0;
+  lo.shuffle = true;
+  Loader l(ds, tc, lo);
+  int64_t boxes = 0;
+  std::set<int64_t> corner;  // the bottom-right pixel: padded (the fill) in some draws, not in others
+  for (int64_t epoch = 0; epoch < 6; ++epoch) {
+    l.start_epoch(epoch);
+    while (auto b = l.next()) {
+      const int64_t n = b->images.size(0);
+      CHECK(b->images.sizes() == at::IntArrayRef{n, 64, 64, 3});  // 48 x 48, padded to 32's multiples
+      CHECK(torch::equal(b->sizes, torch::full({n, 2}, 48, torch::kLong)));
+      for (int64_t k = 0; k < n; ++k) corner.insert(b->images[k][47][47][0].item<int64_t>());
+      for (auto& t : b->targets) {
+        REQUIRE(int64_t(t.masks.size()) == t.boxes.size(0));
+        REQUIRE(t.labels.size(0) == t.boxes.size(0));
+        boxes += t.boxes.size(0);
+        if (!t.boxes.size(0)) continue;
+        CHECK(t.boxes.min().item<float>() >= 0.f);
+        CHECK(t.boxes.max().item<float>() <= 48.f);
+        for (auto& m : t.masks) CHECK((m.h == 48 && m.w == 48));
+      }
+    }
+  }
+  CHECK(boxes > 0);
+  CHECK(corner.count(123) == 1);
+  CHECK(corner.size() > 1);
+}
+
 TEST_CASE("an unreadable COCO image is skipped and counted", "[data][coco]") {
   CocoFolder f;
   std::filesystem::remove(f.dir / "train2017/4.png");
