@@ -4,19 +4,52 @@
 #include <torch/autograd.h>
 #include <torch/torch.h>
 
+#ifdef IMGTRAIN_WITH_CUDA
+#include <ATen/Context.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <stdexcept>
+#include <string>
 #include <vector>
+
+#ifdef IMGTRAIN_WITH_CUDA
+namespace imgtrain::ops::cuda {  // ops_cuda.cu; each returns the cudaError_t of its launch
+#define IMGTRAIN_ROI_ALIGN_DECL(T)                                                                                   \
+  int roi_align_forward(const T* in, const T* rois, T* out, int64_t K, int64_t C, int64_t H, int64_t W, int64_t ph,   \
+                        int64_t pw, double scale, int64_t sampling, bool aligned, void* stream);                     \
+  int roi_align_backward(const T* grad, const T* rois, T* gin, int64_t K, int64_t C, int64_t H, int64_t W,           \
+                         int64_t ph, int64_t pw, double scale, int64_t sampling, bool aligned, void* stream);        \
+  int nms_mask(const T* boxes, int64_t n, double thr, uint64_t* mask, void* stream);
+IMGTRAIN_ROI_ALIGN_DECL(float)
+IMGTRAIN_ROI_ALIGN_DECL(double)
+#undef IMGTRAIN_ROI_ALIGN_DECL
+}  // namespace imgtrain::ops::cuda
+#endif
 
 namespace imgtrain::ops {
 namespace {
+
+#ifdef IMGTRAIN_WITH_CUDA
+void check_launch(int err, const char* what) {
+  if (err != 0) throw std::runtime_error(std::string(what) + ": CUDA error " + std::to_string(err));
+}
+// RoIAlign's backward on the device sums with atomics (torchvision's kernel does too), so its
+// float order varies from run to run; a run that asks for deterministic algorithms gets the host
+// kernel instead (each element summed in one fixed order).
+bool device_kernel_for(const at::Tensor& t, bool order_matters = false) {
+  return t.is_cuda() && !(order_matters && at::globalContext().deterministicAlgorithms());
+}
+#endif
 
 at::Tensor upcast(const at::Tensor& t) {
   return t.is_floating_point() && t.element_size() < 4 ? t.to(at::kFloat) : t;
 }
 
-// A CPU copy of a CUDA input (there are no device kernels yet); CPU tensors as they are.
+// A CPU copy of a device input (where the device kernel is not used); CPU tensors as they are.
 at::Tensor host(const at::Tensor& t) { return t.device().is_cpu() ? t : t.to(at::kCPU); }
 
 // ---- RoIAlign ---------------------------------------------------------------------------------
@@ -194,6 +227,22 @@ struct RoiAlignArgs {
 };
 
 at::Tensor roi_align_forward(const at::Tensor& input, const at::Tensor& rois, const RoiAlignArgs& a) {
+#ifdef IMGTRAIN_WITH_CUDA
+  if (device_kernel_for(input)) {
+    c10::cuda::CUDAGuard guard(input.device());
+    auto x = input.contiguous();
+    auto r = rois.to(input.device(), x.scalar_type()).contiguous();
+    auto out = at::zeros({r.size(0), x.size(1), a.ph, a.pw}, x.options());
+    if (r.size(0) && x.numel())
+      AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "roi_align_forward_cuda", [&] {
+        check_launch(cuda::roi_align_forward(x.data_ptr<scalar_t>(), r.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                                             r.size(0), x.size(1), x.size(2), x.size(3), a.ph, a.pw, a.scale,
+                                             a.sampling, a.aligned, c10::cuda::getCurrentCUDAStream().stream()),
+                     "roi_align forward");
+      });
+    return out;
+  }
+#endif
   auto x = host(input).contiguous();
   auto r = host(rois).to(x.scalar_type()).contiguous();
   auto out = at::zeros({r.size(0), x.size(1), a.ph, a.pw}, x.options());
@@ -206,6 +255,22 @@ at::Tensor roi_align_forward(const at::Tensor& input, const at::Tensor& rois, co
 
 at::Tensor roi_align_backward(const at::Tensor& grad, const at::Tensor& rois, at::IntArrayRef in_shape,
                               const RoiAlignArgs& a, const at::Device& dev) {
+#ifdef IMGTRAIN_WITH_CUDA
+  if (device_kernel_for(grad, /*order_matters=*/true)) {
+    c10::cuda::CUDAGuard guard(grad.device());
+    auto g = grad.contiguous();
+    auto r = rois.to(grad.device(), g.scalar_type()).contiguous();
+    auto gin = at::zeros(in_shape, g.options());
+    if (r.size(0) && gin.numel())
+      AT_DISPATCH_FLOATING_TYPES(g.scalar_type(), "roi_align_backward_cuda", [&] {
+        check_launch(cuda::roi_align_backward(g.data_ptr<scalar_t>(), r.data_ptr<scalar_t>(), gin.data_ptr<scalar_t>(),
+                                              r.size(0), gin.size(1), gin.size(2), gin.size(3), a.ph, a.pw, a.scale,
+                                              a.sampling, a.aligned, c10::cuda::getCurrentCUDAStream().stream()),
+                     "roi_align backward");
+      });
+    return gin;
+  }
+#endif
   auto g = host(grad).contiguous();
   auto r = host(rois).to(g.scalar_type()).contiguous();
   auto gin = at::zeros(in_shape, g.options());
@@ -293,6 +358,33 @@ at::Tensor nms(const at::Tensor& boxes, const at::Tensor& scores, double iou_thr
   if (scores.dim() != 1 || scores.size(0) != boxes.size(0))
     throw std::invalid_argument("nms: scores must be [N] for N boxes");
   if (boxes.numel() == 0) return at::empty({0}, boxes.options().dtype(at::kLong));
+#ifdef IMGTRAIN_WITH_CUDA
+  if (device_kernel_for(boxes)) {
+    // torchvision's scheme: the overlap bit mask on the device, the greedy pass on the host
+    c10::cuda::CUDAGuard guard(boxes.device());
+    auto b = upcast(boxes);
+    const auto order = std::get<1>(upcast(scores).to(b.device()).sort(/*stable=*/true, /*dim=*/0, /*descending=*/true));
+    auto sorted = b.index_select(0, order).contiguous();
+    const int64_t n = sorted.size(0), blocks = (n + 63) / 64;
+    auto mask = at::zeros({n * blocks}, b.options().dtype(at::kLong));
+    AT_DISPATCH_FLOATING_TYPES(sorted.scalar_type(), "nms_cuda", [&] {
+      check_launch(cuda::nms_mask(sorted.data_ptr<scalar_t>(), n, iou_threshold,
+                                  reinterpret_cast<uint64_t*>(mask.data_ptr<int64_t>()),
+                                  c10::cuda::getCurrentCUDAStream().stream()),
+                   "nms");
+    });
+    const auto host_mask = mask.to(at::kCPU);
+    const auto* m = reinterpret_cast<const uint64_t*>(host_mask.data_ptr<int64_t>());
+    std::vector<uint64_t> removed(size_t(blocks), 0);
+    std::vector<int64_t> kept;
+    for (int64_t i = 0; i < n; ++i) {
+      if (removed[size_t(i / 64)] >> (i % 64) & 1) continue;
+      kept.push_back(i);
+      for (int64_t c = i / 64; c < blocks; ++c) removed[size_t(c)] |= m[i * blocks + c];
+    }
+    return order.index_select(0, torch::tensor(kept, torch::kLong).to(b.device()));
+  }
+#endif
   auto b = host(upcast(boxes)).contiguous();
   auto s = host(upcast(scores)).to(b.scalar_type()).contiguous();
   at::Tensor keep;

@@ -1,6 +1,9 @@
 // Detection ops with torchvision.ops' semantics and numbers: box_area, box_iou, nms, batched_nms,
-// roi_align (forward and backward through autograd). CPU kernels here; CUDA tensors run the same
-// kernels on the host until the device kernels land (a copy each way, counted as slow, not wrong).
+// roi_align (forward and backward through autograd). CPU kernels, and CUDA kernels for CUDA
+// tensors when the build has the CUDA path (ops_cuda.cu: the same arithmetic per output; NMS's
+// greedy pass on the host, as torchvision's; RoIAlign's backward sums with atomics, so under
+// deterministic algorithms it runs the host kernel). Without the CUDA path, CUDA tensors go
+// through the host kernels (a copy each way).
 // Under autocast they run in float32 and give roi_align's result back in the input's dtype, as
 // torchvision's autocast wrappers do.
 #pragma once
