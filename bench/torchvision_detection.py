@@ -4,7 +4,10 @@ after its transform (backbone, rpn, roi_heads), on a batch of synthetic normalis
 random boxes (and masks) each, as imgtrain's detection benchmark does; train: the loss dict summed,
 backward and SGD (lr 1e-4). Prints the same `--result` JSON fields.
 Usage: torchvision_detection.py --model maskrcnn_resnet50_fpn --bench both -b 2 --img-size 512
-       [--num-warm-iter 2] [--num-bench-iter 5] [--amp] [--amp-dtype bfloat16]"""
+       [--num-warm-iter 2] [--num-bench-iter 5] [--amp] [--amp-dtype bfloat16] [--weights SD.safetensors]
+--weights: load a state dict (e.g. one saved with --save-weights, then given to imgtrain's
+--pretrained-path) so both sides run the same weights and so the same detections;
+infer_detections_per_image says how many the mask head ran on."""
 import argparse
 import json
 import time
@@ -27,6 +30,8 @@ p.add_argument('--num-classes', type=int, default=91)
 p.add_argument('--amp', action='store_true')
 p.add_argument('--amp-dtype', default='float16')
 p.add_argument('--opt', default='sgd')
+p.add_argument('--weights', default='', help='a safetensors state dict to load')
+p.add_argument('--save-weights', default='', help='write the (random) initial state dict here and exit')
 args = p.parse_args()
 dtype = torch.bfloat16 if args.amp_dtype == 'bfloat16' else torch.float16
 
@@ -68,11 +73,19 @@ param_count = 0
 for prefix in (['infer', 'train'] if args.bench == 'both' else ['infer' if args.bench == 'inference' else 'train']):
     torch.manual_seed(42)
     model = build()
+    if args.save_weights:
+        from safetensors.torch import save_file
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, args.save_weights)
+        raise SystemExit(0)
+    if args.weights:
+        from safetensors.torch import load_file
+        model.load_state_dict(load_file(args.weights))
     param_count = sum(q.numel() for q in model.parameters())
     train = prefix == 'train'
     model.train(train)
     opt = torch.optim.SGD([q for q in model.parameters() if q.requires_grad], lr=1e-4) if train else None
     il = ImageList(x, sizes)
+    seen = [0, 0]  # detections, inference steps
 
     def step():
         t0 = time.perf_counter()
@@ -89,7 +102,9 @@ for prefix in (['infer', 'train'] if args.bench == 'both' else ['infer' if args.
             with torch.no_grad(), torch.autocast('cpu', dtype=dtype, enabled=args.amp):
                 feats = model.backbone(il.tensors)
                 props, _ = model.rpn(il, feats)
-                model.roi_heads(feats, props, il.image_sizes)
+                dets, _ = model.roi_heads(feats, props, il.image_sizes)
+                seen[0] += sum(len(d['boxes']) for d in dets)
+                seen[1] += 1
         return time.perf_counter() - t0
 
     for _ in range(args.num_warm_iter):
@@ -102,6 +117,8 @@ for prefix in (['infer', 'train'] if args.bench == 'both' else ['infer' if args.
     results[prefix + '_step_time'] = round(1000 * total / args.num_bench_iter, 3)
     results[prefix + '_batch_size'] = b
     results[prefix + '_img_size'] = img
+    if not train and seen[1]:
+        results['infer_detections_per_image'] = round(seen[0] / (seen[1] * b), 1)
 results['param_count'] = round(param_count / 1e6, 2)
 print('--result')
 print(json.dumps(results, indent=4))

@@ -6,6 +6,7 @@
 #include "engine/amp.h"
 #include "engine/commands.h"
 #include "engine/setup.h"
+#include "io/weights.h"
 #include "model_zoo/detection/rcnn.h"
 #include "model_zoo/registry.h"
 
@@ -189,9 +190,15 @@ int benchmark_detection(const cli::Config& cfg, torch::Device device) {
   nlohmann::ordered_json results;
   results["model"] = cfg.model;
   int64_t params = 0;
+  int64_t detections = 0, infer_images_seen = 0;  // the workload of the RoI heads' second half
   auto run = [&](bool train) {
     torch::manual_seed(uint64_t(cfg.seed));
     auto model = det::create_rcnn(cfg.model, o);
+    if (!cfg.pretrained_path.empty()) {  // the same weights as another run (e.g. torchvision's, saved)
+      const auto file = io::load_weights_file(cfg.pretrained_path);
+      io::load_state_dict(*model, file, io::weights_prefix(file, /*prefer_ema=*/true),
+                          fmt::format("--pretrained-path '{}'", cfg.pretrained_path));
+    }
     params = model_zoo::count_params(*model);
     model->to(device);
     model->train(train);
@@ -213,13 +220,19 @@ int benchmark_detection(const cli::Config& cfg, torch::Device device) {
       } else {
         torch::NoGradGuard ng;
         AutocastScope ac(amp.enabled, device.type(), amp.dtype);
-        model->forward(batch);
+        auto res = model->forward(batch);
+        for (auto& d : res.detections) detections += d.boxes.size(0);
+        ++infer_images_seen;
       }
       return now_s(device) - t0;
     };
     time_steps(step, cfg, device, train, b, img, 3, results);  // a detector is slow: one more digit
   };
-  if (cfg.bench != "train") run(false);
+  if (cfg.bench != "train") {
+    run(false);
+    // detections per image after the score threshold: the mask head runs on each
+    if (infer_images_seen) results["infer_detections_per_image"] = round_to(double(detections) / double(infer_images_seen * b), 1);
+  }
   if (cfg.bench != "inference") run(true);
   results["param_count"] = round_to(double(params) / 1e6, 2);
   std::printf("--result\n%s\n", results.dump(4).c_str());
@@ -233,6 +246,10 @@ int benchmark(const cli::Config& cfg) {
   bench_slowdown();  // a malformed test hook is refused before anything runs
   if (cfg.bench == "data" || cfg.bench == "data-eval") return benchmark_data(cfg);
   if (model_zoo::model_task(cfg.model) == "detection") return benchmark_detection(cfg, resolve_device(cfg.device));
+  if (!cfg.pretrained_path.empty())  // a classifier's step time does not depend on its weights
+    throw UserError(fmt::format("--pretrained-path: the benchmark of a classifier times random weights, as timm's "
+                                "benchmark.py; it applies to detectors (--model {} is a classifier)",
+                                cfg.model));
   auto device = resolve_device(cfg.device);
   // Under a launcher the train benchmark is data parallel: each process steps its own batch and
   // the gradients are all-reduced as in training (the reported step time is rank 0's).
@@ -254,6 +271,7 @@ int benchmark(const cli::Config& cfg) {
   nlohmann::ordered_json results;
   results["model"] = cfg.model;
   int64_t params = 0;
+  int64_t detections = 0, infer_images_seen = 0;  // the workload of the RoI heads' second half
   auto run = [&](bool train) {
     torch::manual_seed(uint64_t(cfg.seed));
     auto model = model_zoo::create_model(cfg.model, margs);
@@ -316,7 +334,11 @@ int benchmark(const cli::Config& cfg) {
       results["allreduce_ms"] = round_to(1000.0 * times[times.size() / 2], 3);
     }
   };
-  if (cfg.bench != "train") run(false);
+  if (cfg.bench != "train") {
+    run(false);
+    // detections per image after the score threshold: the mask head runs on each
+    if (infer_images_seen) results["infer_detections_per_image"] = round_to(double(detections) / double(infer_images_seen * b), 1);
+  }
   if (cfg.bench != "inference") run(true);
   results["param_count"] = round_to(double(params) / 1e6, 2);
   if (ctx && ctx->rank() != 0) return 0;

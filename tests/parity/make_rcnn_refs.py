@@ -128,6 +128,19 @@ for arch in ["maskrcnn_resnet18_fpn", "fasterrcnn_resnet18_fpn", "maskrcnn_resne
               "roi_heads.box_predictor.bbox_pred.weight"] + (["roi_heads.mask_predictor.mask_fcn_logits.weight"]
                                                             if arch.startswith("mask") else []):
         t["grad." + k] = named[k].grad.contiguous()
+    if arch in ("maskrcnn_resnet18_fpn", "fasterrcnn_resnet18_fpn"):
+        # the second image without objects (a crop can remove them all): its RoIs are all background
+        empty = [tt[0], {"boxes": torch.zeros(0, 4), "labels": torch.zeros(0, dtype=torch.int64),
+                         "masks": torch.zeros(0, *tt[1]["masks"].shape[-2:], dtype=torch.uint8)}]
+        det_utils.torch.randperm = lambda n, device=None, **kw: torch.arange(n, device=device)
+        try:
+            feats = model.backbone(il2.tensors)
+            props, rpn_losses = model.rpn(il2, feats, empty)
+            _, det_losses = model.roi_heads(feats, props, il2.image_sizes, empty)
+        finally:
+            det_utils.torch.randperm = orig
+        for k, v in {**det_losses, **rpn_losses}.items():
+            t["empty_loss_" + k.removeprefix("loss_")] = v.detach().reshape(1)
     for k, v in sd.items():
         t["sd." + k] = v
     save_file(t, os.path.join(out, arch + ".safetensors"))

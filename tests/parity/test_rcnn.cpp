@@ -7,6 +7,7 @@
 #include "model_zoo/detection/rcnn.h"
 
 #include <catch2/catch.hpp>
+#include <cmath>
 #include <fmt/format.h>
 #include <torch/torch.h>
 
@@ -138,6 +139,31 @@ void train_parity(const std::string& arch) {
   CHECK(grads >= 4);
 }
 
+// The second image without objects: torchvision gives its RoIs all to the background.
+void train_parity_empty(const std::string& arch) {
+  const auto r = load(arch);
+  auto m = model_for(arch, r);
+  m->train();
+  const auto b = batch(r);
+  const auto m1 = r.get("t1_masks");
+  std::vector<Target> targets = {{r.get("t0_boxes"), r.get("t0_labels"), r.get("t0_masks")},
+                                 {torch::zeros({0, 4}), torch::zeros({0}, torch::kLong),
+                                  torch::zeros({0, m1.size(1), m1.size(2)}, torch::kByte)}};
+  auto res = m->forward(b, &targets);
+  int n = 0;
+  at::Tensor total;
+  for (auto& [k, v] : res.losses) {
+    const auto want = r.get("empty_loss_" + k.substr(5));
+    INFO(k << " " << v.item<double>() << " vs torchvision " << want.item<double>());
+    CHECK(std::isfinite(v.item<double>()));
+    CHECK(std::abs(v.item<double>() - want.item<double>()) <= 1e-5 * std::max(1.0, std::abs(want.item<double>())));
+    total = total.defined() ? total + v : v;
+    ++n;
+  }
+  CHECK(n == (m->has_mask() ? 5 : 4));
+  total.backward();  // and the backward runs
+}
+
 }  // namespace
 
 TEST_CASE("Mask R-CNN R18-FPN evaluation equals torchvision's", "[parity][rcnn]") { eval_parity("maskrcnn_resnet18_fpn"); }
@@ -149,6 +175,10 @@ TEST_CASE("Mask R-CNN R50-FPN v2 evaluation equals torchvision's", "[parity][rcn
 }
 TEST_CASE("Mask R-CNN R18-FPN training losses and gradients equal torchvision's", "[parity][rcnn]") {
   train_parity("maskrcnn_resnet18_fpn");
+}
+TEST_CASE("R-CNN training with an image without objects gives torchvision's losses", "[parity][rcnn]") {
+  train_parity_empty("maskrcnn_resnet18_fpn");
+  train_parity_empty("fasterrcnn_resnet18_fpn");
 }
 TEST_CASE("Faster R-CNN R18-FPN training losses and gradients equal torchvision's", "[parity][rcnn]") {
   train_parity("fasterrcnn_resnet18_fpn");
