@@ -250,6 +250,13 @@ struct BackboneImpl : torch::nn::Module {
     ModelArgs ma;
     ma.num_classes = 0;
     body = register_module("body", create_model(a.backbone, ma));
+    {
+      // torchvision's ResNet initialisation (zero_init_residual=False): every BatchNorm weight 1,
+      // where timm's zero-inits each block's last one. Weights loaded later replace both.
+      torch::NoGradGuard ng;
+      for (auto& m : body->modules(false))
+        if (auto* bn = m->as<torch::nn::BatchNorm2dImpl>()) bn->weight.fill_(1.0);
+    }
     std::vector<int64_t> chans;
     const auto info = body->feature_info();
     for (int64_t i = 1; i <= 4; ++i) chans.push_back(info.at(size_t(i)).num_chs);

@@ -180,6 +180,27 @@ TEST_CASE("R-CNN training with an image without objects gives torchvision's loss
   train_parity_empty("maskrcnn_resnet18_fpn");
   train_parity_empty("fasterrcnn_resnet18_fpn");
 }
+TEST_CASE("a detector built without weights initialises its ResNet body as torchvision's", "[parity][rcnn]") {
+  // torchvision's resnet (zero_init_residual=False): BatchNorm weights 1, biases 0, convolutions
+  // kaiming-normal over fan-out (timm's classifiers zero the last BatchNorm weight of each block)
+  for (const char* arch : {"maskrcnn_resnet18_fpn", "fasterrcnn_resnet50_fpn"}) {
+    RCNNOptions o;
+    o.num_classes = 3;
+    auto m = create_rcnn(arch, o);
+    int bns = 0;
+    for (auto& p : m->named_parameters()) {
+      if (p.key().rfind("backbone.body.", 0) != 0 || p.value().dim() != 1) continue;
+      const bool weight = p.key().size() > 7 && p.key().ends_with(".weight");
+      INFO(arch << " " << p.key());
+      CHECK(torch::equal(p.value(), weight ? torch::ones_like(p.value()) : torch::zeros_like(p.value())));
+      bns += weight;
+    }
+    CHECK(bns > 10);
+    // the first convolution's spread: kaiming normal, fan-out 64 * 7 * 7, gain sqrt(2)
+    const auto w = m->named_parameters()["backbone.body.conv1.weight"];
+    CHECK(std::abs(w.std().item<double>() - std::sqrt(2.0 / (64 * 49))) < 0.1 * std::sqrt(2.0 / (64 * 49)));
+  }
+}
 TEST_CASE("Faster R-CNN R18-FPN training losses and gradients equal torchvision's", "[parity][rcnn]") {
   train_parity("fasterrcnn_resnet18_fpn");
 }
