@@ -5,6 +5,10 @@
 #include "core/log.h"
 #include "core/rng.h"
 
+#ifdef IMGTRAIN_WITH_CUDA
+#include <c10/cuda/CUDAFunctions.h>
+#endif
+
 #include <opencv2/imgproc.hpp>
 #include <torch/torch.h>
 
@@ -233,6 +237,9 @@ void Loader::start_epoch(int64_t epoch, size_t first_batch) {
 }
 
 void Loader::worker_loop() {
+#ifdef IMGTRAIN_WITH_CUDA
+  if (opt_.pin_memory && opt_.cuda_device >= 0) c10::cuda::set_device(c10::DeviceIndex(opt_.cuda_device));
+#endif
   const size_t window = size_t(std::max<int64_t>(1, opt_.workers * opt_.prefetch_per_worker));
   for (;;) {
     size_t b;

@@ -41,6 +41,9 @@ struct LoaderOptions {
   int64_t workers = 4;
   uint64_t seed = 42;
   bool pin_memory = false;
+  // With pin_memory: the CUDA device the batches go to, made current in every loader thread so
+  // pinned allocations do not open a context on device 0; -1: none.
+  int64_t cuda_device = -1;
   int64_t prefetch_per_worker = 2;
   // Data-parallel share: this rank's part of every epoch's order (rank r of world W).
   int64_t rank = 0, world = 1;

@@ -208,6 +208,7 @@ int fit(const cli::Config& given_cfg, torch::Device device, dist::Context* ctx) 
 
   data::LoaderOptions lo = cli::loader_options(cfg);
   lo.pin_memory = cfg.pin_mem && device.is_cuda();
+  lo.cuda_device = device.is_cuda() ? device.index() : -1;
   lo.rank = rank;
   lo.world = world;
   data::Loader train_loader(r.setup.train, r.setup.train_transform, lo);

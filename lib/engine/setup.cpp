@@ -7,7 +7,12 @@
 #include <fmt/ranges.h>
 #include <torch/torch.h>
 
+#ifdef IMGTRAIN_WITH_CUDA
+#include <c10/cuda/CUDAFunctions.h>
+#endif
+
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 
@@ -23,7 +28,25 @@ torch::Device resolve_device(const std::string& d) {
   int idx = d == "cuda" ? 0 : std::stoi(d.substr(5));
   if (idx >= int(torch::cuda::device_count()))
     throw UserError(fmt::format("--device '{}': only {} CUDA device(s) present", d, torch::cuda::device_count()));
-  return torch::Device(torch::kCUDA, c10::DeviceIndex(idx));
+  const torch::Device dev(torch::kCUDA, c10::DeviceIndex(idx));
+  make_current(dev);
+  return dev;
+}
+
+int64_t local_cuda_index(int64_t local_rank, int64_t device_count, bool visible_devices_narrowed) {
+  if (local_rank < device_count) return local_rank;
+  if (device_count == 1 && visible_devices_narrowed) return 0;  // one device per task
+  throw UserError(fmt::format("LOCAL_RANK {}: only {} CUDA device(s) visible on this host{}", local_rank,
+                              device_count,
+                              visible_devices_narrowed ? "" : " (one device per process: set CUDA_VISIBLE_DEVICES)"));
+}
+
+void make_current(const torch::Device& device) {
+#ifdef IMGTRAIN_WITH_CUDA
+  if (device.is_cuda()) c10::cuda::set_device(device.index() < 0 ? 0 : device.index());
+#else
+  (void)device;
+#endif
 }
 
 Amp resolve_amp(bool amp, const std::string& amp_dtype, const std::string& opt_level) {
@@ -54,11 +77,11 @@ std::shared_ptr<dist::Context> join_process_group(const std::string& backend, in
   const auto denv = dist::read_env();
   log::set_rank(int(denv.rank));
   if (!denv.distributed()) return nullptr;
-  if (device.is_cuda()) {  // one device per process: the local rank's
-    if (denv.local_rank >= int64_t(torch::cuda::device_count()))
-      throw UserError(fmt::format("LOCAL_RANK {}: only {} CUDA device(s) on this host", denv.local_rank,
-                                  torch::cuda::device_count()));
-    device = torch::Device(torch::kCUDA, c10::DeviceIndex(denv.local_rank));
+  if (device.is_cuda()) {  // one device per process: the local rank's (or the one visible)
+    const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+    const auto idx = local_cuda_index(denv.local_rank, int64_t(torch::cuda::device_count()), visible && *visible);
+    device = torch::Device(torch::kCUDA, c10::DeviceIndex(idx));
+    make_current(device);
   }
   dist::InitOptions io;
   io.backend = backend;

@@ -17,8 +17,18 @@
 
 namespace imgtrain::engine {
 
-// --device auto|cpu|cuda|cuda:N, checked against what this machine has.
+// --device auto|cpu|cuda|cuda:N, checked against what this machine has; a CUDA device is made the
+// current one of the calling thread (before anything allocates on it).
 torch::Device resolve_device(const std::string& device);
+
+// The CUDA device of a data-parallel process: its local rank's, or, where only one device is
+// visible to it and the launcher narrowed the visible devices (CUDA_VISIBLE_DEVICES set, e.g.
+// SLURM's --gpus-per-task 1), that one whatever its local rank. Throws a UserError otherwise.
+int64_t local_cuda_index(int64_t local_rank, int64_t device_count, bool visible_devices_narrowed);
+
+// Makes `device` current for the calling thread when it is a CUDA device (c10::cuda::set_device);
+// nothing for the CPU. Loader threads that pin memory call it too.
+void make_current(const torch::Device& device);
 
 struct Amp {
   bool enabled = false;  // autocast (O1)

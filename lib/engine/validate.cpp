@@ -39,6 +39,7 @@ int validate(const cli::Config& cfg) {
   lo.batch_size = cfg.batch_size;
   lo.workers = cfg.workers;
   lo.pin_memory = cfg.pin_mem && device.is_cuda();
+  lo.cuda_device = device.is_cuda() ? device.index() : -1;
   lo.pad_shares = !setup.sharded_eval;
   data::Loader loader(setup.eval, setup.eval_transform, lo);
   EvalOptions eo;

@@ -4,6 +4,7 @@
 #include "data/dataset.h"
 #include "engine/checkpoint.h"
 #include "engine/run_folder.h"
+#include "engine/setup.h"
 #include "engine/evaluate.h"
 #include "engine/train_loop.h"
 #include "io/weights.h"
@@ -427,3 +428,17 @@ TEST_CASE("curves.png: three panels with each curve's colour, runs overlaid with
                     Catch::Contains("no run with a readable summary.csv"));
 }
 #endif
+
+TEST_CASE("a data-parallel process's CUDA device: its local rank's, or the one device a launcher left visible",
+          "[engine]") {
+  CHECK(engine::local_cuda_index(0, 8, false) == 0);
+  CHECK(engine::local_cuda_index(5, 8, false) == 5);
+  CHECK(engine::local_cuda_index(3, 8, true) == 3);
+  // SLURM --gpus-per-task 1: SLURM_LOCALID 3, one device visible through CUDA_VISIBLE_DEVICES
+  CHECK(engine::local_cuda_index(3, 1, true) == 0);
+  CHECK_THROWS_WITH(engine::local_cuda_index(3, 1, false),
+                    Catch::Contains("LOCAL_RANK 3: only 1 CUDA device(s)") && Catch::Contains("CUDA_VISIBLE_DEVICES"));
+  CHECK_THROWS_AS(engine::local_cuda_index(3, 2, true), UserError);  // two visible: a real mismatch
+  CHECK_THROWS_AS(engine::local_cuda_index(1, 0, true), UserError);
+  engine::make_current(torch::Device(torch::kCPU));  // nothing to do for the CPU
+}
