@@ -240,6 +240,7 @@ const std::vector<Flag>& flags() {
       {"num-warm-iter", "", &Config::num_warm_iter, "Warm-up iterations", BENCH, {}, non_negative},
       {"num-bench-iter", "", &Config::num_bench_iter, "Benchmark iterations", BENCH, {}, positive},
       {"channels-last", "", &Config::channels_last, "Channels-last (NHWC) memory layout for weights and inputs", ALL},
+      {"tf32", "", &Config::tf32, "CUDA: float32 matmuls and convolutions in TF32 (Ampere and newer)", ALL},
       // distributed
       // detection (torchvision's references/detection/train.py names)
       {"task", "", &Config::task, "The task (default: the model's): classification or detection", BOTH,

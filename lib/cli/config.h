@@ -133,6 +133,7 @@ struct Config {
   int64_t num_warm_iter = 10;
   int64_t num_bench_iter = 40;
   bool channels_last = false;
+  bool tf32 = false;  // CUDA: TF32 for float32 matmuls (cuBLAS) and convolutions (cuDNN)
   // distributed
   int64_t nproc_per_node = 0;  // > 0: launch this many workers (imgtrain's torchrun)
   int64_t nnodes = 1;

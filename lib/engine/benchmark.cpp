@@ -245,12 +245,12 @@ int benchmark_detection(const cli::Config& cfg, torch::Device device) {
 int benchmark(const cli::Config& cfg) {
   bench_slowdown();  // a malformed test hook is refused before anything runs
   if (cfg.bench == "data" || cfg.bench == "data-eval") return benchmark_data(cfg);
-  if (model_zoo::model_task(cfg.model) == "detection") return benchmark_detection(cfg, resolve_device(cfg.device));
+  if (model_zoo::model_task(cfg.model) == "detection") return benchmark_detection(cfg, resolve_device(cfg.device, cfg.tf32));
   if (!cfg.pretrained_path.empty())  // a classifier's step time does not depend on its weights
     throw UserError(fmt::format("--pretrained-path: the benchmark of a classifier times random weights, as timm's "
                                 "benchmark.py; it applies to detectors (--model {} is a classifier)",
                                 cfg.model));
-  auto device = resolve_device(cfg.device);
+  auto device = resolve_device(cfg.device, cfg.tf32);
   // Under a launcher the train benchmark is data parallel: each process steps its own batch and
   // the gradients are all-reduced as in training (the reported step time is rank 0's).
   auto ctx = join_process_group(cfg.dist_backend, cfg.dist_timeout, cfg.rdzv_timeout, device);

@@ -137,6 +137,7 @@ void write_checkpoint(const std::string& path, const CheckpointMeta& meta, const
   for (auto& [k, v] : s.master) tensors.emplace_back("master." + k, v);
   for (auto& [k, v] : s.scaler) tensors.emplace_back("scaler." + k, v);
   if (s.rng_cpu.defined()) tensors.emplace_back("rng.cpu", s.rng_cpu);
+  if (s.rng_cuda.defined()) tensors.emplace_back("rng.cuda", s.rng_cuda);
   io::save_safetensors(path, tensors, meta.to_metadata());
 }
 

@@ -1,10 +1,10 @@
 // The one owner of imgtrain's checkpoint format. A checkpoint is a safetensors file: the model's
 // state dict under "model.", the EMA's under "ema.", optimizer state under "optim.", O2 master
-// weights under "master.", the loss scaler under "scaler.", the CPU generator as "rng.cpu", and
-// everything else (CheckpointMeta) as strings in the header's __metadata__. Train's resume,
-// --resume auto, validate --checkpoint and export all read through Checkpoint; train writes
-// through write_checkpoint. CheckpointSaver is timm's policy: last every epoch, checkpoint-<epoch>
-// for the best N, model_best.
+// weights under "master.", the loss scaler under "scaler.", the CPU generator as "rng.cpu" (a CUDA
+// run's device generator as "rng.cuda"), and everything else (CheckpointMeta) as strings in the
+// header's __metadata__. Train's resume, --resume auto, validate --checkpoint and export all read
+// through Checkpoint; train writes through write_checkpoint. CheckpointSaver is timm's policy:
+// last every epoch, checkpoint-<epoch> for the best N, model_best.
 #pragma once
 #include "io/safetensors.h"
 
@@ -54,6 +54,7 @@ struct TrainStateRefs {
   const torch::nn::Module* ema = nullptr;
   std::vector<std::pair<std::string, at::Tensor>> optim, master, scaler;
   at::Tensor rng_cpu;
+  at::Tensor rng_cuda;  // the run's CUDA device generator (CUDA runs only)
 };
 
 // Atomic (temporary file + rename): a crash never leaves a broken file.

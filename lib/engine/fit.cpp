@@ -40,6 +40,7 @@ struct Run {
   std::unique_ptr<ModelEma> ema;
   std::string args_yaml;
   int64_t num_updates = 0;
+  torch::Device device = torch::kCPU;  // a CUDA run also saves and restores that device's generator
 
   // One checkpoint file: everything --resume needs to continue exactly.
   void write(const std::string& path, int64_t epoch, double metric, double best_metric, int64_t best_epoch,
@@ -62,6 +63,8 @@ struct Run {
     if (master) s.master = master->named_masters();
     if (scaler) s.scaler = scaler->state();
     s.rng_cpu = at::detail::getDefaultCPUGenerator().get_state();
+    // drop path, random erasing and mixup draw on the device in a CUDA run
+    if (device.is_cuda()) s.rng_cuda = at::globalContext().defaultGenerator(device).get_state();
     write_checkpoint(path, meta, s);
   }
 };
@@ -125,7 +128,8 @@ void build_optimizer(Run& r, const cli::Config& cfg, int64_t world, int64_t upda
 // Where a resumed run continues.
 struct ResumePoint {
   int64_t start_epoch = 0, start_update = 0;
-  at::Tensor rng;  // restored last, after anything that draws
+  at::Tensor rng;       // restored last, after anything that draws
+  at::Tensor rng_cuda;  // the CUDA generator's, likewise
   std::string plateau;
   LossMeters meters;  // a mid-epoch point: the epoch's loss averages so far
   std::optional<Checkpoint> checkpoint;  // kept for the EMA, which is created after the model's resume
@@ -150,6 +154,7 @@ ResumePoint resume(Run& r, const cli::Config& cfg, std::optional<Checkpoint> che
   if (!cfg.no_resume_opt) r.optimizer->load_state(ck.section("optim."));
   if (r.scaler) r.scaler->load_state(ck.section("scaler."));
   if (auto* rng = ck.find("rng.cpu")) p.rng = *rng;
+  if (auto* rng = ck.find("rng.cuda")) p.rng_cuda = *rng;
   const auto& m = ck.meta();
   p.start_epoch = *m.epoch + 1;
   if (m.recovery_update) {
@@ -180,6 +185,7 @@ int fit(const cli::Config& given_cfg, torch::Device device, dist::Context* ctx) 
   const bool primary = rank == 0;  // only rank 0 writes files
   torch::manual_seed(uint64_t(cfg.seed + rank));  // timm's random_seed(seed, rank)
   Run r;
+  r.device = device;
   r.setup = tasks::create_train_task(cfg, rank, world);
   Task& task = *r.setup.task;
   const auto names = task.metric_names();
@@ -342,6 +348,14 @@ int fit(const cli::Config& given_cfg, torch::Device device, dist::Context* ctx) 
     auto g = at::detail::getDefaultCPUGenerator();
     g.set_state(rp.rng);
   }
+  if (device.is_cuda() && rp.rng_cuda.defined()) {
+    auto g = at::globalContext().defaultGenerator(device);
+    g.set_state(rp.rng_cuda);
+  } else if (device.is_cuda()) {
+    if (rp.checkpoint)
+      log::warn("--resume: the checkpoint has no CUDA generator state (written by a CPU run): the device's random "
+                "draws do not continue the interrupted run's");
+  }
 
   const auto fit_start = Clock::now();
   EvalResult last_eval, last_model_eval;  // last_eval is the EMA's when EMA is on (timm's metric)
@@ -460,7 +474,7 @@ int train(const cli::Config& cfg) {
                                   cfg.model));
   }
   dist::install_stop_handlers(/*exit_until_work=*/true);
-  auto device = resolve_device(cfg.device);
+  auto device = resolve_device(cfg.device, cfg.tf32);
   auto ctx = join_process_group(cfg.dist_backend, cfg.dist_timeout, cfg.rdzv_timeout, device);
   try {
     return fit(cfg, device, ctx.get());

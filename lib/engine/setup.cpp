@@ -20,17 +20,30 @@ namespace fs = std::filesystem;
 
 namespace imgtrain::engine {
 
-torch::Device resolve_device(const std::string& d) {
-  if (d == "auto") return torch::cuda::is_available() ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU);
+namespace {
+torch::Device cuda_run_settings(const torch::Device& dev, bool tf32) {
+  if (!dev.is_cuda()) return dev;
+  make_current(dev);
+  at::globalContext().setBenchmarkCuDNN(true);
+  if (tf32) {
+    at::globalContext().setAllowTF32CuBLAS(true);
+    at::globalContext().setAllowTF32CuDNN(true);
+  }
+  return dev;
+}
+}  // namespace
+
+torch::Device resolve_device(const std::string& d, bool tf32) {
+  if (d == "auto")
+    return cuda_run_settings(
+        torch::cuda::is_available() ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU), tf32);
   if (d == "cpu") return torch::kCPU;
   if (!torch::cuda::is_available())
     throw UserError(fmt::format("--device '{}': no CUDA device is available here (use --device cpu)", d));
   int idx = d == "cuda" ? 0 : std::stoi(d.substr(5));
   if (idx >= int(torch::cuda::device_count()))
     throw UserError(fmt::format("--device '{}': only {} CUDA device(s) present", d, torch::cuda::device_count()));
-  const torch::Device dev(torch::kCUDA, c10::DeviceIndex(idx));
-  make_current(dev);
-  return dev;
+  return cuda_run_settings(torch::Device(torch::kCUDA, c10::DeviceIndex(idx)), tf32);
 }
 
 int64_t local_cuda_index(int64_t local_rank, int64_t device_count, bool visible_devices_narrowed) {

@@ -17,9 +17,11 @@
 
 namespace imgtrain::engine {
 
-// --device auto|cpu|cuda|cuda:N, checked against what this machine has; a CUDA device is made the
-// current one of the calling thread (before anything allocates on it).
-torch::Device resolve_device(const std::string& device);
+// --device auto|cpu|cuda|cuda:N, checked against what this machine has. For a CUDA device: made
+// the current one of the calling thread (before anything allocates on it), cuDNN's autotuner on
+// (timm's scripts set cudnn.benchmark = True), and with `tf32` float32 matmuls and convolutions in
+// TF32 (torch's default leaves matmuls in full float32).
+torch::Device resolve_device(const std::string& device, bool tf32 = false);
 
 // The CUDA device of a data-parallel process: its local rank's, or, where only one device is
 // visible to it and the launcher narrowed the visible devices (CUDA_VISIBLE_DEVICES set, e.g.

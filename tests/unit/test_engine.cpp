@@ -14,6 +14,8 @@
 #include <catch2/catch.hpp>
 #include <torch/torch.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 using namespace imgtrain;
@@ -441,4 +443,33 @@ TEST_CASE("a data-parallel process's CUDA device: its local rank's, or the one d
   CHECK_THROWS_AS(engine::local_cuda_index(3, 2, true), UserError);  // two visible: a real mismatch
   CHECK_THROWS_AS(engine::local_cuda_index(1, 0, true), UserError);
   engine::make_current(torch::Device(torch::kCPU));  // nothing to do for the CPU
+}
+
+TEST_CASE("CUDA: a checkpoint keeps the device generator, so a resumed run draws what the run would have",
+          "[cuda][engine]") {
+  if (!torch::cuda::is_available()) {
+    std::printf("skipped: no CUDA device\n");
+    std::fflush(stdout);
+    std::_Exit(77);
+  }
+  const torch::Device dev(torch::kCUDA, 0);
+  test::TempDir d("cudarng");
+  auto g = at::globalContext().defaultGenerator(dev);
+  torch::manual_seed(7);
+  torch::rand({3}, dev);  // advance past the seed
+  engine::TrainStateRefs s;
+  s.rng_cpu = at::detail::getDefaultCPUGenerator().get_state();
+  s.rng_cuda = g.get_state();
+  engine::CheckpointMeta meta;
+  meta.arch = "resnet18";
+  meta.epoch = 0;
+  meta.num_updates = 1;
+  engine::write_checkpoint(d / "c.safetensors", meta, s);
+  const auto want = torch::rand({1000}, dev);
+  torch::rand({50}, dev);  // the run goes on; the resume must not see these draws
+  const auto ck = engine::Checkpoint::read(d / "c.safetensors");
+  const at::Tensor* state = ck.find("rng.cuda");
+  REQUIRE(state);
+  g.set_state(*state);
+  CHECK(torch::equal(torch::rand({1000}, dev).cpu(), want.cpu()));
 }
