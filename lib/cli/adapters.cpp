@@ -7,6 +7,7 @@ namespace imgtrain::cli {
 optim::OptimizerArgs optimizer_options(const Config& cfg, double lr) {
   optim::OptimizerArgs oa;
   oa.opt = cfg.opt;
+  oa.impl = cfg.opt_impl;
   oa.lr = lr;
   oa.weight_decay = cfg.weight_decay;
   oa.momentum = cfg.momentum;

@@ -100,7 +100,13 @@ const std::vector<Flag>& flags() {
        positive},
       // optimizer
       {"opt", "", &Config::opt, "Optimizer", TRAIN | BENCH,
-       {"sgd", "nesterov", "momentum", "adam", "adamw", "rmsproptf", "lamb", "lambc", "lars", "larc", "nlars", "nlarc"}},
+       {"sgd", "nesterov", "momentum", "adam", "adamw", "rmsproptf", "lamb", "lambc", "lars", "larc", "nlars", "nlarc",
+        "fusedsgd", "fusedadam", "fusedadamw"}},
+      {"opt-impl", "", &Config::opt_impl,
+       "How SGD and Adam(W) step: auto = ATen's fused SGD kernel (bitwise the loop on the CPU), Adam(W) looped on "
+       "the CPU and multi-tensor on CUDA, as torch.optim; fused = ATen's fused kernels (within a rounding); foreach; "
+       "loop = per-parameter loops",
+       TRAIN | BENCH, {"auto", "loop", "foreach", "fused"}},
       {"layer-decay", "", &Config::layer_decay, "Layer-wise learning rate decay (timm's param_groups_layer_decay)",
        TRAIN, {}, positive},
       {"opt-eps", "", &Config::opt_eps, "Optimizer epsilon (default: the optimizer's)", TRAIN, {}, positive},
@@ -238,6 +244,10 @@ const std::vector<Flag>& flags() {
        "What to benchmark (data / data-eval: the training / eval input pipeline alone)", BENCH,
        {"inference", "train", "both", "data", "data-eval"}},
       {"num-warm-iter", "", &Config::num_warm_iter, "Warm-up iterations", BENCH, {}, non_negative},
+      {"profile", "", &Config::profile,
+       "Print where the timed steps go: forward / backward / optimizer and the ops with the most self time "
+       "(host time of each op call; on CUDA that is launch time, use Nsight for kernels)",
+       BENCH},
       {"num-bench-iter", "", &Config::num_bench_iter, "Benchmark iterations", BENCH, {}, positive},
       {"channels-last", "", &Config::channels_last, "Channels-last (NHWC) memory layout for weights and inputs", ALL},
       {"tf32", "", &Config::tf32, "CUDA: float32 matmuls and convolutions in TF32 (Ampere and newer)", ALL},
@@ -579,7 +589,8 @@ void check_effective(Command cmd, const Config& c) {
   };
   const bool data_bench = c.bench == "data" || c.bench == "data-eval";
   if (cmd == Command::Benchmark && data_bench)
-    refuse({"model", "device", "amp", "amp-dtype", "channels-last", "num-classes", "gp", "opt", "nproc-per-node"},
+    refuse({"model", "device", "amp", "amp-dtype", "channels-last", "num-classes", "gp", "opt", "opt-impl", "profile",
+            "nproc-per-node"},
            fmt::format("with --bench {} (it measures the input pipeline alone, on the CPU)", c.bench));
   if (cmd == Command::Benchmark && c.bench == "data")
     refuse({"crop-pct", "interpolation", "crop-mode", "fast-decode"},

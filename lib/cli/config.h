@@ -37,6 +37,7 @@ struct Config {
   bool use_ema = false;    // validate
   // optimizer
   std::string opt = "sgd";
+  std::string opt_impl = "auto";
   double momentum = 0.9;
   double weight_decay = 2e-5;
   std::optional<double> opt_eps;
@@ -130,6 +131,7 @@ struct Config {
   std::string results_format = "csv";
   bool use_train_size = false;
   std::string bench = "both";
+  bool profile = false;
   int64_t num_warm_iter = 10;
   int64_t num_bench_iter = 40;
   bool channels_last = false;

@@ -13,11 +13,17 @@
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
+#include <ATen/record_function.h>
+
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <fstream>
 #include <functional>
+#include <mutex>
+#include <optional>
 #include <thread>
+#include <unordered_map>
 
 namespace imgtrain::engine {
 namespace {
@@ -29,11 +35,102 @@ double now_s(torch::Device dev) {
   return std::chrono::duration<double>(Clock::now().time_since_epoch()).count();
 }
 
+// --profile: every op call's host time, from RecordFunction callbacks on all threads; an op's self
+// time is its time less that of the ops it called (on its thread). The phases of a step are user
+// scopes named "imgtrain::<phase>".
+namespace profile {
+struct Frame : at::ObserverContext {
+  Clock::time_point t0;
+  double children = 0;
+  Frame* parent = nullptr;
+};
+thread_local Frame* current = nullptr;
+struct Stat {
+  int64_t calls = 0;
+  double self = 0, total = 0;
+};
+std::mutex mu;
+std::unordered_map<std::string, Stat> stats;
+
+std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction&) {
+  auto f = std::make_unique<Frame>();
+  f->parent = current;
+  current = f.get();
+  f->t0 = Clock::now();
+  return f;
+}
+void on_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
+  const auto t1 = Clock::now();
+  auto* f = static_cast<Frame*>(ctx);
+  if (!f) return;
+  const double dur = std::chrono::duration<double>(t1 - f->t0).count();
+  if (current == f) {  // nested on this thread: the parent is still open
+    current = f->parent;
+    if (f->parent) f->parent->children += dur;
+  }
+  std::lock_guard<std::mutex> lock(mu);
+  auto& st = stats[fn.name()];
+  ++st.calls;
+  st.self += dur - f->children;
+  st.total += dur;
+}
+
+// Records while alive.
+class Session {
+ public:
+  Session() {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      stats.clear();
+    }
+    handle_ = at::addGlobalCallback(at::RecordFunctionCallback(on_start, on_end)
+                                        .scopes({at::RecordScope::FUNCTION, at::RecordScope::BACKWARD_FUNCTION,
+                                                 at::RecordScope::USER_SCOPE}));
+  }
+  ~Session() { at::removeCallback(handle_); }
+  Session(const Session&) = delete;
+  Session& operator=(const Session&) = delete;
+
+ private:
+  at::CallbackHandle handle_;
+};
+
+// The phases (ms per step, also into `results` as <prefix><phase>_ms) and the top ops by self time.
+void report(int64_t steps, const std::string& prefix, nlohmann::ordered_json& results) {
+  std::lock_guard<std::mutex> lock(mu);
+  const std::string scope = "imgtrain::";
+  std::vector<std::pair<std::string, Stat>> ops, phases;
+  double all_self = 0;
+  for (auto& [name, st] : stats) {
+    all_self += st.self;
+    (name.rfind(scope, 0) == 0 ? phases : ops).emplace_back(name, st);
+  }
+  const double per = 1000.0 / double(steps);
+  std::string line = fmt::format("Profile of {} {} steps (host time per step, with the profiler's own cost):", steps,
+                                 prefix.substr(0, prefix.size() - 1));
+  for (const char* phase : {"forward", "backward", "optimizer"})
+    for (auto& [name, st] : phases)
+      if (name == scope + phase) {
+        line += fmt::format("  {} {:.1f} ms", phase, st.total * per);
+        results[prefix + phase + "_ms"] = std::round(st.total * per * 1000.0) / 1000.0;
+      }
+  std::printf("%s\n%10s %6s %11s  %s\n", line.c_str(), "self ms", "%", "calls/step", "op");
+  std::sort(ops.begin(), ops.end(), [](auto& a, auto& b) { return a.second.self > b.second.self; });
+  for (size_t i = 0; i < std::min<size_t>(ops.size(), 20); ++i) {
+    auto& [name, st] = ops[i];
+    std::printf("%10.2f %5.1f%% %11.1f  %s\n", st.self * per, 100.0 * st.self / std::max(all_self, 1e-12),
+                double(st.calls) / double(steps), name.c_str());
+  }
+  std::fflush(stdout);
+}
+}  // namespace profile
+
 // benchmark.py's optimizer: create_optimizer_v2(model, opt, lr=1e-4), no weight decay, over the
 // parameters that train.
-std::unique_ptr<optim::Optimizer> bench_optimizer(torch::nn::Module& model, const std::string& opt) {
+std::unique_ptr<optim::Optimizer> bench_optimizer(torch::nn::Module& model, const cli::Config& cfg) {
   optim::OptimizerArgs oa;
-  oa.opt = opt;
+  oa.opt = cfg.opt;
+  oa.impl = cfg.opt_impl;
   oa.lr = 1e-4;
   std::vector<std::pair<std::string, at::Tensor>> named;
   for (auto& p : model.named_parameters())
@@ -70,6 +167,8 @@ void time_steps(const std::function<double()>& step_once, const cli::Config& cfg
   double total = 0;
   int64_t samples = 0;
   const int64_t log_freq = std::max<int64_t>(1, cfg.num_bench_iter / 5);
+  std::optional<profile::Session> prof;
+  if (cfg.profile) prof.emplace();
   const double start = now_s(device);
   for (int64_t i = 0; i < cfg.num_bench_iter; ++i) {
     total += step();
@@ -80,6 +179,10 @@ void time_steps(const std::function<double()>& step_once, const cli::Config& cfg
   }
   const double elapsed = now_s(device) - start;
   const std::string prefix = train ? "train_" : "infer_";
+  if (prof) {
+    prof.reset();
+    profile::report(cfg.num_bench_iter, prefix, results);
+  }
   results[prefix + "samples_per_sec"] = round_to(double(samples) / elapsed, digits);
   results[prefix + "step_time"] = round_to(1000.0 * total / double(cfg.num_bench_iter), 3);
   results[prefix + "batch_size"] = b;
@@ -202,7 +305,7 @@ int benchmark_detection(const cli::Config& cfg, torch::Device device) {
     params = model_zoo::count_params(*model);
     model->to(device);
     model->train(train);
-    auto opt = train ? bench_optimizer(*model, cfg.opt) : nullptr;
+    auto opt = train ? bench_optimizer(*model, cfg) : nullptr;
     log::info("Running {} benchmark on {} for {} steps w/ input size (3, {}, {}) and batch size {}.",
               train ? "train" : "inference", cfg.model, cfg.num_bench_iter, img, img, b);
     auto step = [&]() -> double {
@@ -211,14 +314,20 @@ int benchmark_detection(const cli::Config& cfg, torch::Device device) {
       if (train) {
         at::Tensor loss;
         {
+          RECORD_USER_SCOPE("imgtrain::forward");
           AutocastScope ac(amp.enabled, device.type(), amp.dtype);
           auto res = model->forward(batch, &targets);
           for (auto& [k, v] : res.losses) loss = loss.defined() ? loss + v : v;
         }
-        loss.backward();
+        {
+          RECORD_USER_SCOPE("imgtrain::backward");
+          loss.backward();
+        }
+        RECORD_USER_SCOPE("imgtrain::optimizer");
         opt->step();
       } else {
         torch::NoGradGuard ng;
+        RECORD_USER_SCOPE("imgtrain::forward");
         AutocastScope ac(amp.enabled, device.type(), amp.dtype);
         auto res = model->forward(batch);
         for (auto& d : res.detections) detections += d.boxes.size(0);
@@ -286,7 +395,7 @@ int benchmark(const cli::Config& cfg) {
     auto x = torch::randn({b, margs.in_chans, img, img}, torch::TensorOptions().device(device));
     if (cfg.channels_last) x = x.contiguous(at::MemoryFormat::ChannelsLast);
     model->train(train);
-    auto opt = train ? bench_optimizer(*model, cfg.opt) : nullptr;
+    auto opt = train ? bench_optimizer(*model, cfg) : nullptr;
     const char* what = train ? "train" : "inference";
     log::info("Running {} benchmark on {} for {} steps w/ input size ({}, {}, {}) and batch size {}.", what,
               cfg.model, cfg.num_bench_iter, margs.in_chans, img, img, b);
@@ -296,6 +405,7 @@ int benchmark(const cli::Config& cfg) {
       if (train) {
         at::Tensor loss;
         {
+          RECORD_USER_SCOPE("imgtrain::forward");
           AutocastScope ac(amp.enabled, device.type(), amp.dtype);
           if (sync) sync->before_forward(true);
           auto out = model->forward(x);
@@ -304,10 +414,15 @@ int benchmark(const cli::Config& cfg) {
                             .random_(margs.num_classes);
           loss = torch::nn::functional::cross_entropy(out, target);
         }
-        loss.backward();
+        {
+          RECORD_USER_SCOPE("imgtrain::backward");
+          loss.backward();
+        }
+        RECORD_USER_SCOPE("imgtrain::optimizer");
         opt->step();
       } else {
         torch::NoGradGuard ng;
+        RECORD_USER_SCOPE("imgtrain::forward");
         AutocastScope ac(amp.enabled, device.type(), amp.dtype);
         model->forward(x);
       }

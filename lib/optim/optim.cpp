@@ -135,22 +135,113 @@ void Optimizer::load_state(const std::map<std::string, at::Tensor>& st) {
 
 namespace {
 
+// Whether a parameter can go to ATen's fused / multi-tensor kernels: a dense floating-point
+// tensor on the CPU or a GPU whose gradient and state tensors (undefined ones aside) have its
+// dtype, device, sizes and strides. The fused kernels index every tensor of a parameter with the
+// same offsets: a channels-last weight with a contiguous gradient silently gets a wrong update.
+bool kernel_ready(const at::Tensor& p, std::initializer_list<at::Tensor> others) {
+  if (!p.is_floating_point() || p.layout() != at::kStrided || !p.is_non_overlapping_and_dense() ||
+      !(p.device().is_cpu() || p.device().is_cuda()))
+    return false;
+  for (auto& t : others)
+    if (t.defined() && (t.layout() != at::kStrided || t.scalar_type() != p.scalar_type() ||
+                        t.device() != p.device() || t.sizes() != p.sizes() || t.strides() != p.strides()))
+      return false;
+  return true;
+}
+
+// Tensors for one kernel call: ATen's multi-tensor kernels take one device and dtype per call.
+struct Bucket {
+  at::Device device;
+  at::ScalarType dtype;
+  bool flag;  // a per-call switch (SGD: first step of the momentum buffers)
+  std::vector<at::Tensor> params, grads, a, b;
+  std::vector<int64_t> steps;
+};
+Bucket& bucket_for(std::vector<Bucket>& buckets, const at::Tensor& p, bool flag = false) {
+  for (auto& b : buckets)
+    if (b.device == p.device() && b.dtype == p.scalar_type() && b.flag == flag) return b;
+  buckets.push_back(Bucket{p.device(), p.scalar_type(), flag, {}, {}, {}, {}, {}});
+  return buckets.back();
+}
+
+// A dense tensor's elements in memory order, [begin, end).
+at::Tensor flat(const at::Tensor& t, int64_t begin, int64_t end) {
+  return t.as_strided({end - begin}, {1}, t.storage_offset() + begin);
+}
+
 // torch.optim.SGD with dampening 0: buf = momentum * buf + g (buf = g on the first step);
-// nesterov: update = g + momentum * buf, else update = buf.
+// nesterov: update = g + momentum * buf, else update = buf. Steps through ATen's _fused_sgd_
+// (unless impl is "loop"). Its vectorised body computes exactly the loop's arithmetic, its scalar
+// tail does not (an ulp apart on the last elements of a tensor), so each tensor's whole 128-byte
+// blocks go to the kernel and the few elements after them take the loop's operations: bitwise
+// the loop on the CPU (tested), one pass over memory instead of five.
 class Sgd : public Optimizer {
  public:
-  Sgd(std::vector<ParamGroup> g, double momentum, bool nesterov) : momentum_(momentum), nesterov_(nesterov) {
+  Sgd(std::vector<ParamGroup> g, double momentum, bool nesterov, std::string impl)
+      : momentum_(momentum), nesterov_(nesterov), impl_(std::move(impl)) {
     groups_ = std::move(g);
   }
   void step() override {
-    each_with_grad([&](ParamGroup& g, const std::string& name, at::Tensor& p) {
-      auto d = p.grad();
-      if (g.weight_decay != 0) d = d.add(p, g.weight_decay);
-      momentum_step(g, name, p, d);
-    });
+    torch::NoGradGuard ng;
+    for (auto& g : groups_) {
+      std::vector<Bucket> buckets;
+      for (size_t i = 0; i < g.params.size(); ++i) {
+        auto& p = g.params[i];
+        const auto& grad = p.grad();
+        if (!grad.defined()) continue;
+        at::Tensor buf;
+        if (momentum_ != 0) {
+          auto& bufs = state_[g.names[i]].buf;
+          if (auto it = bufs.find("momentum_buffer"); it != bufs.end()) buf = it->second;
+        }
+        if (impl_ == "loop" || !kernel_ready(p, {grad, buf})) {
+          loop_step(g, g.names[i], p);
+          continue;
+        }
+        const bool first = momentum_ != 0 && !buf.defined();
+        if (first) {
+          buf = at::empty_like(p);  // same strides: p is dense; filled below
+          if (!kernel_ready(p, {buf})) {
+            loop_step(g, g.names[i], p);
+            continue;
+          }
+          state_[g.names[i]].buf["momentum_buffer"] = buf;
+        }
+        const int64_t n = p.numel(), unit = 128 / int64_t(p.element_size());
+        const int64_t whole = impl_ == "fused" ? n : n - n % unit;  // "fused": all of it to the kernel
+        if (whole > 0) {
+          auto& b = bucket_for(buckets, p, first);
+          b.params.push_back(flat(p, 0, whole));
+          b.grads.push_back(flat(grad, 0, whole));
+          if (momentum_ != 0) b.a.push_back(flat(buf, 0, whole));
+        }
+        if (whole < n)
+          tail_step(flat(p, whole, n), flat(grad, whole, n), momentum_ != 0 ? flat(buf, whole, n) : at::Tensor(), first,
+                    g.weight_decay, g.lr);
+      }
+      for (auto& b : buckets)
+        at::_fused_sgd_(b.params, b.grads, b.a, g.weight_decay, momentum_, g.lr, /*dampening=*/0.0, nesterov_,
+                        /*maximize=*/false, /*is_first_step=*/b.flag);
+    }
   }
 
  protected:
+  void loop_step(const ParamGroup& g, const std::string& name, at::Tensor& p) {
+    auto d = p.grad();
+    if (g.weight_decay != 0) d = d.add(p, g.weight_decay);
+    momentum_step(g, name, p, d);
+  }
+  // The loop's arithmetic on given tensors (buf: filled on the first step).
+  void tail_step(at::Tensor p, const at::Tensor& grad, at::Tensor buf, bool first, double wd, double lr) {
+    auto d = wd != 0 ? grad.add(p, wd) : grad;
+    if (momentum_ != 0) {
+      if (first) buf.copy_(d);
+      else buf.mul_(momentum_).add_(d);
+      d = nesterov_ ? d.add(buf, momentum_) : buf;
+    }
+    p.add_(d, -lr);
+  }
   // p -= lr * (d through the momentum buffer), the part SGD and LARS share.
   void momentum_step(const ParamGroup& g, const std::string& name, at::Tensor& p, at::Tensor d) {
     if (momentum_ != 0) {
@@ -166,6 +257,7 @@ class Sgd : public Optimizer {
  private:
   double momentum_;
   bool nesterov_;
+  std::string impl_;
 };
 
 // |w| / |u|-style trust ratio, 1 where either norm is zero (timm's nested torch.where).
@@ -175,35 +267,94 @@ at::Tensor trust_or_one(const at::Tensor& ratio, const at::Tensor& w_norm, const
 }
 
 // torch.optim.AdamW (decoupled weight decay, bias-corrected moments, amsgrad off); with
-// decoupled = false it is torch.optim.Adam (L2 decay added to the gradient).
+// decoupled = false it is torch.optim.Adam (L2 decay added to the gradient). Three ways to step,
+// as torch.optim's: a per-parameter loop, multi-tensor _foreach_ ops (the same arithmetic,
+// bitwise equal), and ATen's fused kernel (one pass, within a rounding of the others).
 class AdamW : public Optimizer {
  public:
-  AdamW(std::vector<ParamGroup> g, double b1, double b2, double eps, bool decoupled)
-      : b1_(b1), b2_(b2), eps_(eps), decoupled_(decoupled) {
+  AdamW(std::vector<ParamGroup> g, double b1, double b2, double eps, bool decoupled, std::string impl)
+      : b1_(b1), b2_(b2), eps_(eps), decoupled_(decoupled), impl_(std::move(impl)) {
     groups_ = std::move(g);
   }
   void step() override {
-    each_with_grad([&](ParamGroup& g, const std::string& name, at::Tensor& p) {
-      auto& s = state_[name];
-      auto& m = s.buf["exp_avg"];
-      auto& v = s.buf["exp_avg_sq"];
-      if (!m.defined()) m = torch::zeros_like(p);
-      if (!v.defined()) v = torch::zeros_like(p);
-      s.step += 1;
-      auto grad = p.grad();
-      if (decoupled_) p.mul_(1.0 - g.lr * g.weight_decay);
-      else if (g.weight_decay != 0) grad = grad.add(p, g.weight_decay);
-      m.lerp_(grad, 1.0 - b1_);
-      v.mul_(b2_).addcmul_(grad, grad, 1.0 - b2_);
-      double bc1 = 1.0 - std::pow(b1_, s.step), bc2 = 1.0 - std::pow(b2_, s.step);
-      auto denom = (v.sqrt() / std::sqrt(bc2)).add_(eps_);
-      p.addcdiv_(m, denom, -g.lr / bc1);
-    });
+    torch::NoGradGuard ng;
+    for (auto& g : groups_) {
+      std::vector<Bucket> buckets;
+      for (size_t i = 0; i < g.params.size(); ++i) {
+        auto& p = g.params[i];
+        const auto& grad = p.grad();
+        if (!grad.defined()) continue;
+        auto& s = state_[g.names[i]];
+        auto& m = s.buf["exp_avg"];
+        auto& v = s.buf["exp_avg_sq"];
+        if (!m.defined()) m = torch::zeros_like(p);
+        if (!v.defined()) v = torch::zeros_like(p);
+        s.step += 1;
+        const std::string how = impl_ == "auto" ? (p.device().is_cuda() ? "foreach" : "loop") : impl_;
+        if (how == "loop" || !kernel_ready(p, {grad, m, v})) {
+          loop_step(g, p, m, v, s.step);
+          continue;
+        }
+        auto& b = bucket_for(buckets, p, how == "fused");
+        b.params.push_back(p);
+        b.grads.push_back(grad);
+        b.a.push_back(m);
+        b.b.push_back(v);
+        b.steps.push_back(s.step);
+      }
+      for (auto& b : buckets) b.flag ? fused_step(g, b) : foreach_step(g, b);
+    }
   }
 
  private:
+  void loop_step(const ParamGroup& g, at::Tensor& p, at::Tensor& m, at::Tensor& v, int64_t step) {
+    auto grad = p.grad();
+    if (decoupled_) p.mul_(1.0 - g.lr * g.weight_decay);
+    else if (g.weight_decay != 0) grad = grad.add(p, g.weight_decay);
+    m.lerp_(grad, 1.0 - b1_);
+    v.mul_(b2_).addcmul_(grad, grad, 1.0 - b2_);
+    double bc1 = 1.0 - std::pow(b1_, step), bc2 = 1.0 - std::pow(b2_, step);
+    auto denom = (v.sqrt() / std::sqrt(bc2)).add_(eps_);
+    p.addcdiv_(m, denom, -g.lr / bc1);
+  }
+  // torch.optim's _multi_tensor_adam (not capturable): the loop's operations over the lists.
+  void foreach_step(const ParamGroup& g, Bucket& b) {
+    std::vector<at::Tensor> grads = b.grads;
+    if (decoupled_) at::_foreach_mul_(b.params, 1.0 - g.lr * g.weight_decay);
+    else if (g.weight_decay != 0) grads = at::_foreach_add(b.grads, b.params, g.weight_decay);
+    at::_foreach_lerp_(b.a, grads, 1.0 - b1_);
+    at::_foreach_mul_(b.b, b2_);
+    at::_foreach_addcmul_(b.b, grads, grads, 1.0 - b2_);
+    std::vector<at::Scalar> step_size, bc2_sqrt;
+    for (auto t : b.steps) {
+      step_size.emplace_back(-g.lr / (1.0 - std::pow(b1_, double(t))));
+      bc2_sqrt.emplace_back(std::sqrt(1.0 - std::pow(b2_, double(t))));
+    }
+    auto denom = at::_foreach_sqrt(b.b);
+    at::_foreach_div_(denom, bc2_sqrt);
+    at::_foreach_add_(denom, eps_);
+    at::_foreach_addcdiv_(b.params, b.a, denom, step_size);
+  }
+  // ATen's _fused_adam(w)_: step counts as float32 scalars on the parameters' device (one tensor
+  // per distinct count; the kernel only reads them).
+  void fused_step(const ParamGroup& g, Bucket& b) {
+    std::map<int64_t, at::Tensor> by_count;
+    std::vector<at::Tensor> steps;
+    for (auto t : b.steps) {
+      auto& st = by_count[t];
+      if (!st.defined()) st = at::full({}, double(t), at::TensorOptions().dtype(at::kFloat).device(b.device));
+      steps.push_back(st);
+    }
+    if (decoupled_)
+      at::_fused_adamw_(b.params, b.grads, b.a, b.b, {}, steps, g.lr, b1_, b2_, g.weight_decay, eps_,
+                        /*amsgrad=*/false, /*maximize=*/false);
+    else
+      at::_fused_adam_(b.params, b.grads, b.a, b.b, {}, steps, g.lr, b1_, b2_, g.weight_decay, eps_,
+                       /*amsgrad=*/false, /*maximize=*/false);
+  }
   double b1_, b2_, eps_;
   bool decoupled_;
+  std::string impl_;
 };
 
 // timm's RMSpropTF (TensorFlow-style RMSprop): the square average starts at one, eps goes inside
@@ -291,7 +442,7 @@ class Lamb : public Optimizer {
 class Lars : public Sgd {
  public:
   Lars(std::vector<ParamGroup> g, double momentum, bool nesterov, bool trust_clip)
-      : Sgd(std::move(g), momentum, nesterov), trust_clip_(trust_clip) {}
+      : Sgd(std::move(g), momentum, nesterov, "loop"), trust_clip_(trust_clip) {}
   void step() override {
     each_with_grad([&](ParamGroup& g, const std::string& name, at::Tensor& p) {
       auto d = p.grad();
@@ -311,8 +462,9 @@ class Lars : public Sgd {
 };
 
 const std::set<std::string>& optimizer_names() {
-  static const std::set<std::string> n = {"sgd",  "nesterov", "momentum", "adam", "adamw", "rmsproptf",
-                                          "lamb", "lambc",    "lars",     "larc", "nlars", "nlarc"};
+  static const std::set<std::string> n = {"sgd",   "nesterov", "momentum",  "adam",     "adamw",
+                                          "rmsproptf", "lamb", "lambc", "lars",      "larc",     "nlars",
+                                          "nlarc", "fusedsgd", "fusedadam", "fusedadamw"};
   return n;
 }
 
@@ -328,10 +480,16 @@ std::unique_ptr<Optimizer> create_optimizer(const OptimizerArgs& a,
                                                    *a.layer_decay, a.layer_decay_min_scale)
                               : weight_decay_groups(named_params, a.weight_decay, no_weight_decay);
   for (auto& g : groups) g.lr = a.lr * g.lr_scale;
-  if (a.opt == "sgd" || a.opt == "nesterov") return std::make_unique<Sgd>(std::move(groups), a.momentum, true);
-  if (a.opt == "momentum") return std::make_unique<Sgd>(std::move(groups), a.momentum, false);
-  if (a.opt == "adam" || a.opt == "adamw")
-    return std::make_unique<AdamW>(std::move(groups), a.beta1, a.beta2, a.eps.value_or(1e-8), a.opt == "adamw");
+  static const std::set<std::string> impls = {"auto", "loop", "foreach", "fused"};
+  if (!impls.count(a.impl)) throw std::invalid_argument("unknown optimizer implementation '" + a.impl + "'");
+  // timm's fused* names (apex there): the same optimizers through ATen's fused kernels
+  const bool fused_name = a.opt.rfind("fused", 0) == 0;
+  const std::string opt = fused_name ? a.opt.substr(5) : a.opt;
+  const std::string impl = fused_name ? "fused" : a.impl;
+  if (opt == "sgd" || opt == "nesterov") return std::make_unique<Sgd>(std::move(groups), a.momentum, true, impl);
+  if (opt == "momentum") return std::make_unique<Sgd>(std::move(groups), a.momentum, false, impl);
+  if (opt == "adam" || opt == "adamw")
+    return std::make_unique<AdamW>(std::move(groups), a.beta1, a.beta2, a.eps.value_or(1e-8), opt == "adamw", impl);
   if (a.opt == "rmsproptf")
     return std::make_unique<RmspropTF>(std::move(groups), 0.9, a.eps.value_or(1e-10), a.momentum);
   if (a.opt == "lamb" || a.opt == "lambc")

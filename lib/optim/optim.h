@@ -78,7 +78,8 @@ class Optimizer {
 
 struct OptimizerArgs {
   // sgd (nesterov), momentum, adam, adamw, rmsproptf, lamb, lambc (trust clipping), lars, larc
-  // (trust clipping), nlars / nlarc (Nesterov)
+  // (trust clipping), nlars / nlarc (Nesterov); timm's apex names fusedsgd, fusedadam, fusedadamw
+  // are sgd / adam / adamw with impl "fused" (ATen's kernels, no apex)
   std::string opt = "sgd";
   double lr = 0.1;
   double weight_decay = 0.0;
@@ -87,6 +88,13 @@ struct OptimizerArgs {
   double beta1 = 0.9, beta2 = 0.999;
   std::optional<double> layer_decay;  // timm's --layer-decay (needs the model's group rules)
   double layer_decay_min_scale = 0.0;
+  // How SGD and Adam(W) step: "auto" = ATen's fused SGD kernel (bitwise equal to the loop on
+  // CPU), Adam(W) as a per-parameter loop on CPU (torch.optim's CPU default, bitwise timm) and
+  // with ATen's multi-tensor (_foreach_) ops on CUDA (torch.optim's CUDA default); "fused" =
+  // ATen's _fused_sgd_ / _fused_adam(w)_ (the fused* optimizer names; within a float rounding of
+  // the loop); "foreach"; "loop". Parameters whose gradient or state does not share their
+  // memory layout always take the loop (the fused kernels assume one).
+  std::string impl = "auto";
 };
 
 std::unique_ptr<Optimizer> create_optimizer(const OptimizerArgs& a,

@@ -322,6 +322,19 @@ TEST_CASE("benchmark prints timm's fields and writes the results file", "[integr
   INFO(t.output);
   CHECK_THAT(t.output, Catch::Contains("\"infer_img_size\": 288") && !Catch::Contains("train_"));  // timm's test size
   expect_user_error(test::run(kBin + " benchmark --bench fast"), "inference, train, both");
+  // --profile: the phases of a step and the ops with the most self time (the fused SGD kernel among them)
+  auto p = test::run(kBin + " benchmark --model resnet18 --bench train -b 2 --img-size 64 --num-warm-iter 1 " +
+                     "--num-bench-iter 2 --device cpu --profile");
+  INFO(p.output);
+  REQUIRE(p.code == 0);
+  CHECK_THAT(p.output, Catch::Contains("Profile of 2 train steps") && Catch::Contains("forward") &&
+                           Catch::Contains("optimizer") && Catch::Contains("aten::convolution_backward") &&
+                           Catch::Contains("aten::_fused_sgd_") && Catch::Contains("\"train_optimizer_ms\""));
+  auto pl = test::run(kBin + " benchmark --model resnet18 --bench train -b 2 --img-size 64 --num-warm-iter 1 " +
+                      "--num-bench-iter 2 --device cpu --profile --opt-impl loop");
+  INFO(pl.output);
+  CHECK_THAT(pl.output, Catch::Contains("aten::convolution_backward") && !Catch::Contains("aten::_fused_sgd_"));
+  expect_user_error(test::run(kBin + " benchmark --bench data --profile --data-dir /nonexistent"), "--profile has no effect");
   // a detector: the same fields, its own parameter count
   auto det = test::run(kBin + " benchmark --model fasterrcnn_mobilenet_v3_large_320_fpn -b 1 --img-size 96 " +
                        "--num-warm-iter 0 --num-bench-iter 1 --device cpu --results-file " + (d / "det.json") +

@@ -119,6 +119,8 @@ TEST_CASE("bad values name the flag, the value and what is accepted", "[cli]") {
   CHECK_THAT(e, Catch::Contains("--batch-size") && Catch::Contains("'abc'") && Catch::Contains("an integer in [1, 65536]"));
   CHECK_THAT(error_of({"-b", "0"}), Catch::Contains("an integer in [1, 65536]"));
   CHECK_THAT(error_of({"--opt", "sgdd"}), Catch::Contains("--opt") && Catch::Contains("sgd, nesterov, momentum, adam, adamw, rmsproptf, lamb"));
+  CHECK(error_of({"--opt", "fusedadamw", "--opt-impl", "loop"}) == "");  // timm's apex names, ATen's kernels here
+  CHECK_THAT(error_of({"--opt-impl", "fast"}), Catch::Contains("--opt-impl") && Catch::Contains("auto, loop, foreach, fused"));
   CHECK_THAT(error_of({"--sched", "cos"}), Catch::Contains("cosine, tanh, step, multistep, plateau, poly"));
   CHECK_THAT(error_of({"--hflip", "1.5"}), Catch::Contains("--hflip") && Catch::Contains("[0, 1]"));
   CHECK_THAT(error_of({"--lr", "fast"}), Catch::Contains("--lr") && Catch::Contains("'fast'"));

@@ -431,6 +431,127 @@ TEST_CASE("curves.png: three panels with each curve's colour, runs overlaid with
 }
 #endif
 
+namespace {
+
+// A few steps of an optimizer over parameters of every shape the fused kernels meet: a
+// channels-last convolution weight with a channels-last gradient, one with a contiguous gradient
+// (layouts differ: the loop must take it), a matrix, a bias (no weight decay) and a parameter
+// whose first gradient comes at the third step; the lr changes half-way. Returns the parameters
+// after each step (on the CPU) and the optimizer.
+std::pair<std::vector<at::Tensor>, std::unique_ptr<optim::Optimizer>> optimizer_trace(
+    const std::string& opt, const std::string& impl, torch::Device dev, double momentum = 0.9, int steps = 6,
+    std::unique_ptr<optim::Optimizer> resume_into = nullptr, int first_step = 0,
+    const std::vector<at::Tensor>& start = {}) {
+  torch::manual_seed(3);
+  const auto cl = at::MemoryFormat::ChannelsLast;
+  std::vector<std::pair<std::string, at::Tensor>> named = {
+      {"conv.weight", torch::randn({8, 4, 3, 3}).contiguous(cl)},
+      {"conv2.weight", torch::randn({6, 4, 3, 3}).contiguous(cl)},
+      {"fc.weight", torch::randn({10, 7})},
+      {"fc.bias", torch::randn({10})},
+      {"late.weight", torch::randn({5, 5})}};
+  for (size_t i = 0; i < start.size(); ++i) named[i].second.copy_(start[i]);
+  for (auto& [n, p] : named) p = p.to(dev).requires_grad_(true);
+  optim::OptimizerArgs a;
+  a.opt = opt;
+  a.impl = impl;
+  a.lr = opt.find("adam") != std::string::npos ? 1e-2 : 0.1;
+  a.weight_decay = 1e-2;
+  a.momentum = momentum;
+  auto o = optim::create_optimizer(a, named);
+  if (resume_into) {  // continue from another optimizer's state, as a resumed run does
+    std::map<std::string, at::Tensor> st;
+    for (auto& [k, t] : resume_into->state()) st[k] = t;
+    o->load_state(st);
+  }
+  std::vector<at::Tensor> trace;
+  for (int step = 0; step < steps; ++step) {
+    if (step + first_step == 3) o->set_lr(a.lr / 2);
+    torch::manual_seed(100 + step + first_step);
+    for (auto& [n, p] : named) {
+      auto g = torch::randn(p.sizes());
+      if (n == "conv.weight") g = g.contiguous(cl);
+      if (n == "late.weight" && step + first_step < 2) continue;
+      p.mutable_grad() = g.to(dev);
+    }
+    o->step();
+    for (auto& [n, p] : named) trace.push_back(p.detach().to(torch::kCPU).clone());
+    for (auto& [n, p] : named) p.mutable_grad() = at::Tensor();
+  }
+  return {trace, std::move(o)};
+}
+
+// Largest |a - b| / (1 + |b|) over the traces.
+double trace_diff(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  REQUIRE(a.size() == b.size());
+  double d = 0;
+  for (size_t i = 0; i < a.size(); ++i) d = std::max(d, ((a[i] - b[i]).abs() / (b[i].abs() + 1)).max().item<double>());
+  return d;
+}
+
+bool same_bits(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i)
+    if (!torch::equal(a[i], b[i])) return false;
+  return true;
+}
+
+void fused_optimizers_agree(torch::Device dev, double tolerance_sgd) {
+  for (double momentum : {0.9, 0.0})
+    for (std::string opt : {"sgd", "momentum"}) {
+      INFO(opt << " momentum " << momentum);
+      auto loop = optimizer_trace(opt, "loop", dev, momentum).first;
+      auto fast = optimizer_trace(opt, "auto", dev, momentum).first;  // whole blocks fused, tails looped
+      auto fused = optimizer_trace(opt, "fused", dev, momentum).first;  // all of each tensor fused
+      if (tolerance_sgd == 0) CHECK(same_bits(fast, loop));
+      else CHECK(trace_diff(fast, loop) < tolerance_sgd);
+      CHECK(trace_diff(fused, loop) < 1e-6);
+      if (opt == "sgd") CHECK(same_bits(optimizer_trace("fusedsgd", "auto", dev, momentum).first, fused));
+    }
+  for (std::string opt : {"adam", "adamw"}) {
+    INFO(opt);
+    auto loop = optimizer_trace(opt, "loop", dev).first;
+    auto each = optimizer_trace(opt, "foreach", dev).first;
+    auto fused = optimizer_trace(opt, "fused", dev).first;
+    if (dev.is_cpu()) CHECK(same_bits(each, loop));
+    else CHECK(trace_diff(each, loop) < 1e-6);
+    CHECK(trace_diff(fused, loop) < 1e-6);
+    CHECK(trace_diff(fused, loop) > 0);  // a real second implementation, not the loop again
+    CHECK(same_bits(optimizer_trace("fused" + opt, "auto", dev).first, fused));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("optimizers through ATen's fused and multi-tensor kernels equal the per-parameter loops", "[optim]") {
+  fused_optimizers_agree(torch::Device(torch::kCPU), 0.0);  // fused SGD is the loop, bit for bit
+  // The state a fused step leaves resumes in the loop (and back) exactly: 3 + 3 steps == 6 steps.
+  for (std::string opt : {"sgd", "adamw"}) {
+    INFO(opt);
+    auto whole = optimizer_trace(opt, "auto", torch::kCPU).first;
+    auto [head, o] = optimizer_trace(opt, opt == "sgd" ? "auto" : "fused", torch::kCPU, 0.9, 3);
+    auto tail = optimizer_trace(opt, "loop", torch::kCPU, 0.9, 3, std::move(o), 3,
+                                std::vector<at::Tensor>(head.end() - 5, head.end()))
+                    .first;
+    std::vector<at::Tensor> tail_whole(whole.begin() + 15, whole.end()), tail_only(tail.begin(), tail.end());
+    if (opt == "sgd") CHECK(same_bits(tail_only, tail_whole));
+    else CHECK(trace_diff(tail_only, tail_whole) < 1e-6);
+  }
+  optim::OptimizerArgs a;
+  a.impl = "fastest";
+  auto w = torch::zeros({2}, torch::requires_grad());
+  CHECK_THROWS_WITH(optim::create_optimizer(a, {{"w", w}}), Catch::Contains("unknown optimizer implementation"));
+}
+
+TEST_CASE("CUDA: fused and multi-tensor optimizer steps equal the loops on the device", "[cuda][optim]") {
+  if (!torch::cuda::is_available()) {
+    std::printf("skipped: no CUDA device\n");
+    std::fflush(stdout);
+    std::_Exit(77);
+  }
+  fused_optimizers_agree(torch::Device(torch::kCUDA, 0), 1e-6);
+}
+
 TEST_CASE("a data-parallel process's CUDA device: its local rank's, or the one device a launcher left visible",
           "[engine]") {
   CHECK(engine::local_cuda_index(0, 8, false) == 0);
