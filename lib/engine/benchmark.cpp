@@ -14,6 +14,9 @@
 #include <torch/torch.h>
 
 #include <ATen/record_function.h>
+#ifdef IMGTRAIN_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
 
 #include <algorithm>
 #include <chrono>
@@ -169,6 +172,9 @@ void time_steps(const std::function<double()>& step_once, const cli::Config& cfg
   const int64_t log_freq = std::max<int64_t>(1, cfg.num_bench_iter / 5);
   std::optional<profile::Session> prof;
   if (cfg.profile) prof.emplace();
+#ifdef IMGTRAIN_WITH_CUDA
+  if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
+#endif
   const double start = now_s(device);
   for (int64_t i = 0; i < cfg.num_bench_iter; ++i) {
     total += step();
@@ -183,6 +189,14 @@ void time_steps(const std::function<double()>& step_once, const cli::Config& cfg
     prof.reset();
     profile::report(cfg.num_bench_iter, prefix, results);
   }
+#ifdef IMGTRAIN_WITH_CUDA
+  if (device.is_cuda()) {  // the caching allocator's peaks over the timed steps, as torch.cuda.max_memory_*
+    const auto st = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
+    const auto agg = size_t(c10::CachingAllocator::StatType::AGGREGATE);
+    results[prefix + "max_allocated_mb"] = round_to(double(st.allocated_bytes[agg].peak) / (1 << 20), 1);
+    results[prefix + "max_reserved_mb"] = round_to(double(st.reserved_bytes[agg].peak) / (1 << 20), 1);
+  }
+#endif
   results[prefix + "samples_per_sec"] = round_to(double(samples) / elapsed, digits);
   results[prefix + "step_time"] = round_to(1000.0 * total / double(cfg.num_bench_iter), 3);
   results[prefix + "batch_size"] = b;

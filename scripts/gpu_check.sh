@@ -1,0 +1,214 @@
+#!/usr/bin/env bash
+# The GPU check (issue 15): one script for a GPU machine without network, run from the repository
+# root. It builds imgtrain against that machine's own LibTorch (python3's torch) with the Debian
+# build dependencies carried in .gpu-bundle/, runs the CUDA tests, trains a few steps, and
+# benchmarks imgtrain against timm on the same GPU, side by side. Everything lands in a markdown
+# report, $OUT/gpu_check.md (default: ./gpu-check-out/), written as it goes: a run cut short still
+# reports what it reached; the commands' whole output goes to $OUT/gpu_check.log and scratch
+# files (data, runs, results) to $WORK (/tmp/gpu-check).
+#
+#   scripts/gpu_check.sh pack      here, online: download the .deb files into .gpu-bundle/debs
+#   scripts/gpu_check.sh verify    here: configure against the bundle alone and list what it lacks
+#   scripts/gpu_check.sh [run]     on the GPU machine (carry .gpu-bundle): build, test, benchmark
+#
+# Knobs (environment): PYTHON (python3: the one with torch, timm, torchvision), OUT, JOBS (all
+# cores), ARCH (TORCH_CUDA_ARCH_LIST; default: the GPU's own), MODELS (the benchmark list), BATCH
+# (256), STEPS (30 timed steps per benchmark), COMPILE (models also timed under torch.compile in
+# timm; default resnet50), SKIP_BUILD=1 (reuse build-gpu/); for a dry run of the script's later
+# stages on a CPU machine: DEVICE=cpu TRAIN_MODEL=resnet18 TRAIN_SIZE=64 BATCH=2 STEPS=2.
+set -uo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$here"
+mode=${1:-run}
+bundle=$here/.gpu-bundle
+PYTHON=${PYTHON:-python3}
+
+# Debian (bookworm) packages the build needs beyond a compiler, CMake, ninja and LibTorch: the
+# headers and CMake/pkg-config files (-dev) and the shared libraries they link, down to the
+# libraries those need (OpenCV core: BLAS/LAPACK, TBB, GLX). imgcodecs stays out (GDAL).
+packages=(
+  catch2 libcxxopts-dev nlohmann-json3-dev libfmt-dev libfmt9 libyaml-cpp-dev libyaml-cpp0.7
+  libturbojpeg0-dev libturbojpeg0 libjpeg62-turbo-dev libjpeg62-turbo libgif-dev libgif7 zlib1g-dev
+  libopencv-core-dev libopencv-core406 libopencv-imgproc-dev libopencv-imgproc406
+  libtbb12 libblas3 liblapack3 libgfortran5 libquadmath0 libglx0 libglvnd0 libx11-6 libxcb1 libxau6 libxdmcp6
+  libbsd0 libmd0 pkgconf pkgconf-bin libpkgconf3
+)
+
+unpack() {  # extract the bundle into .gpu-bundle/root (never /) and point the tools at it
+  local root=$bundle/root lib
+  if [[ ! -d $root/usr ]]; then
+    mkdir -p "$root"
+    for f in "$bundle"/debs/*.deb; do dpkg-deb -x "$f" "$root" || dpkg -x "$f" "$root"; done
+  fi
+  lib=$root/usr/lib/x86_64-linux-gnu
+  # BLAS/LAPACK are found through Debian's alternatives, which extraction does not set up
+  [[ -e $lib/libblas.so.3 ]] || ln -sf blas/libblas.so.3 "$lib/libblas.so.3"
+  [[ -e $lib/liblapack.so.3 ]] || ln -sf lapack/liblapack.so.3 "$lib/liblapack.so.3"
+  export BUNDLE_ROOT=$root
+  export LD_LIBRARY_PATH=$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  export LIBRARY_PATH=$lib${LIBRARY_PATH:+:$LIBRARY_PATH}
+  export CPATH=$root/usr/include:$root/usr/include/x86_64-linux-gnu${CPATH:+:$CPATH}
+  export PKG_CONFIG_SYSROOT_DIR=$root
+  export PKG_CONFIG_LIBDIR=$lib/pkgconfig:$root/usr/share/pkgconfig
+  export PATH=$PATH:$root/usr/bin
+  if ! command -v pkg-config >/dev/null; then
+    mkdir -p "$bundle/bin" && ln -sf "$root/usr/bin/pkgconf" "$bundle/bin/pkg-config" && export PATH=$bundle/bin:$PATH
+  fi
+}
+
+configure() {  # configure build dir $1 against the bundle and python3's LibTorch
+  local dir=$1; shift
+  local torch_prefix
+  torch_prefix=$("$PYTHON" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)') || return 1
+  cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DIMGTRAIN_WITH_IMGCODECS=OFF \
+    -DCMAKE_PREFIX_PATH="$BUNDLE_ROOT/usr;$torch_prefix" -DCMAKE_INCLUDE_PATH="$BUNDLE_ROOT/usr/include" \
+    -DCMAKE_LIBRARY_PATH="$BUNDLE_ROOT/usr/lib/x86_64-linux-gnu" -DIMGTRAIN_TEST_PYTHON="$(command -v "$PYTHON")" "$@"
+}
+
+case $mode in
+pack)
+  mkdir -p "$bundle/debs"
+  (cd "$bundle/debs" && apt-get download "${packages[@]}") || { echo "gpu_check: apt-get download failed (apt-get update first?)" >&2; exit 1; }
+  rm -rf "$bundle/root"
+  du -sh "$bundle/debs"
+  exit 0 ;;
+verify)
+  # Everything the configure step finds must come from the bundle or LibTorch, not from this
+  # machine's /usr (which the GPU machine lacks); the bundle's libraries must resolve among themselves.
+  [[ -d $bundle/debs ]] || { echo "gpu_check: no bundle; run scripts/gpu_check.sh pack" >&2; exit 1; }
+  rm -rf "$bundle/root"; unpack
+  configure /tmp/gpu-check-verify -DIMGTRAIN_CUDA=OFF >/tmp/gpu-check-verify.log 2>&1 || { tail -30 /tmp/gpu-check-verify.log; exit 1; }
+  bad=$(grep -E '^[A-Za-z_]+(_DIR|_INCLUDE|_LIBRARY|_CORE|_IMGPROC|INCLUDE_DIR)[A-Za-z_]*:(PATH|FILEPATH)=/usr/' /tmp/gpu-check-verify/CMakeCache.txt |
+        grep -v -E 'CUDA|Torch|Caffe2|kineto|Python|/usr/local/cuda' || true)
+  pc=$(pkg-config --cflags --libs libturbojpeg libjpeg 2>&1)
+  missing=$(for f in $(find "$BUNDLE_ROOT" -name '*.so*' -type f); do ldd "$f" 2>/dev/null | grep 'not found'; done | sort -u)
+  outside=$(for f in $(find "$BUNDLE_ROOT" -name '*.so*' -type f); do ldd "$f" 2>/dev/null | awk '/=> \// {print $3}'; done | sort -u |
+            grep -v "^$BUNDLE_ROOT" | grep -v -E '/(libc|libm|libstdc\+\+|libgcc_s|libz|ld-linux-x86-64|libpthread|libdl|librt)\.so' || true)
+  echo "found outside the bundle: ${bad:-none}"
+  echo "pkg-config: $pc"
+  echo "unresolved libraries: ${missing:-none}"
+  echo "bundle libraries resolved outside it (beyond glibc, libstdc++, zlib): ${outside:-none}"
+  du -sh "$bundle/debs" "$BUNDLE_ROOT"
+  [[ -z $bad && -z $missing && -z $outside && $pc == *"$BUNDLE_ROOT"* ]] && echo "bundle: complete" && exit 0
+  exit 1 ;;
+run) ;;
+*) echo "usage: scripts/gpu_check.sh [pack|verify|run]" >&2; exit 2 ;;
+esac
+
+OUT=${OUT:-$here/gpu-check-out}
+mkdir -p "$OUT"
+report=$OUT/gpu_check.md
+log=$OUT/gpu_check.log
+: >"$log"
+start=$(date +%s)
+note() { echo "$*" | tee -a "$report"; }
+elapsed() { echo "$(( $(date +%s) - start )) s"; }
+# step NAME CMD...: runs CMD with its output in the log, notes pass/fail and the time in the
+# report (quiet_step: in the log only)
+quiet_step() {
+  local name=$1; shift
+  local t0=$(date +%s) rc
+  echo "=== $name: $*" >>"$log"
+  "$@" >>"$log" 2>&1; rc=$?
+  echo "=== $name: exit $rc in $(( $(date +%s) - t0 )) s" >>"$log"
+  return $rc
+}
+step() {
+  local name=$1 t0=$(date +%s) rc
+  quiet_step "$@"; rc=$?
+  local how="FAILED (exit $rc)"
+  [[ $rc == 0 ]] && how=ok
+  [[ $rc == 77 ]] && how="skipped (exit 77: no GPU)"
+  note "- $name: $how in $(( $(date +%s) - t0 )) s"
+  return $rc
+}
+
+{
+  echo "# imgtrain GPU check"
+  echo
+  echo "- commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown), $(date -u +%FT%TZ)"
+  echo "- GPU: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -1)"
+  echo "- torch: $("$PYTHON" -c 'import torch; print(torch.__version__, "CUDA", torch.version.cuda)' 2>&1 | tail -1)," \
+       "timm $("$PYTHON" -c 'import timm; print(timm.__version__)' 2>&1 | tail -1), nvcc $(nvcc --version 2>/dev/null | grep -o 'release [0-9.]*')"
+  echo "- CPU cores: $(nproc)"
+  echo
+  echo "## Build and tests"
+} >"$report"
+
+unpack
+export JOBS=${JOBS:-$(nproc)}
+if [[ -z ${ARCH:-} ]]; then
+  ARCH=$("$PYTHON" -c 'import torch; c = torch.cuda.get_device_capability(); print(f"{c[0]}.{c[1]}")' 2>/dev/null || echo 9.0)
+fi
+if [[ ${SKIP_BUILD:-0} != 1 ]]; then
+  step "configure (TORCH_CUDA_ARCH_LIST $ARCH)" configure build-gpu -DIMGTRAIN_CUDA=ON -DTORCH_CUDA_ARCH_LIST="$ARCH" ||
+    { tail -40 "$log"; exit 1; }
+  step "build imgtrain, unit_tests, parity_tests" cmake --build build-gpu -j "$JOBS" --target imgtrain unit_tests parity_tests ||
+    { tail -60 "$log"; exit 1; }
+fi
+bin=build-gpu/bin
+step "CUDA unit tests (unit_tests [cuda])" $bin/unit_tests "[cuda]" --durations yes
+step "references for the device kernels (torchvision)" "$PYTHON" tests/parity/make_ops_refs.py build-gpu/parity_refs/ops
+step "CUDA kernels against torchvision (parity_tests [cuda])" $bin/parity_tests "[cuda]" --durations yes
+step "CPU unit tests on this machine" $bin/unit_tests "~[dist]~[cuda]~[fault]"
+note "- build and tests done at $(elapsed)"
+
+# A few training steps through the whole engine on the GPU: JPEG folder, loader, AMP, channels-last.
+work=${WORK:-/tmp/gpu-check}
+mkdir -p "$work"
+data=$work/data
+"$PYTHON" - "$data" >>"$log" 2>&1 <<'EOF'
+import os, sys, numpy as np
+from PIL import Image
+root = sys.argv[1]
+rng = np.random.default_rng(0)
+for split, n in (("train", 256), ("validation", 64)):
+    for c in range(4):
+        d = os.path.join(root, split, f"class{c}")
+        os.makedirs(d, exist_ok=True)
+        for i in range(n // 4):
+            img = (rng.random((256, 256, 3)) * 60 + c * 50).astype(np.uint8)
+            Image.fromarray(img).save(os.path.join(d, f"{i}.jpg"), quality=90)
+EOF
+DEVICE=${DEVICE:-cuda}
+TRAIN_MODEL=${TRAIN_MODEL:-resnet50}
+TRAIN_SIZE=${TRAIN_SIZE:-224}
+{ echo; echo "## Training ($TRAIN_MODEL, $TRAIN_SIZE px, batch 64, 4 classes of synthetic JPEGs, 4 updates an epoch)"; } >>"$report"
+train_flags=(--data-dir "$data" --model "$TRAIN_MODEL" --num-classes 4 -b 64 --epochs 1 --img-size "$TRAIN_SIZE" -j 8 --device "$DEVICE"
+             --amp --amp-dtype bfloat16 --channels-last --log-interval 1 --output "$work/runs")
+step "train 1 epoch, --amp bf16 --channels-last" build-gpu/bin/imgtrain train "${train_flags[@]}" --experiment bf16
+step "train 1 epoch, --amp fp16 (loss scaler) --model-ema" build-gpu/bin/imgtrain train "${train_flags[@]/bfloat16/float16}" --model-ema --experiment fp16
+step "resume the fp16 run for one more epoch" build-gpu/bin/imgtrain train "${train_flags[@]/bfloat16/float16}" --model-ema \
+  --experiment fp16 --resume auto --epochs 2
+grep -h -E "Train: |Test: |samples/s|error|warning" "$work"/runs/*/log.txt 2>/dev/null | tail -12 | sed 's/^/    /' >>"$report"
+
+# imgtrain against timm on the same GPU: training step, then inference, side by side, alternating.
+MODELS=${MODELS:-resnet50 mobilenetv3_large_100 efficientnet_b0 vit_base_patch16_224}
+COMPILE=${COMPILE:-resnet50}
+BATCH=${BATCH:-256}
+STEPS=${STEPS:-30}
+{
+  echo
+  echo "## Throughput: imgtrain against timm (batch $BATCH, 224 px, AMP bf16, channels-last, $STEPS timed steps)"
+  echo
+  echo "| model | mode | imgtrain /s | timm eager /s | timm compiled /s | imgtrain / eager | imgtrain / compiled | imgtrain max alloc MB |"
+  echo "| --- | --- | --- | --- | --- | --- | --- | --- |"
+} >>"$report"
+field() { "$PYTHON" -c "import json,sys; t=open(sys.argv[1]).read(); j=json.loads(t[t.index('{'):]); print(j.get(sys.argv[2], ''))" "$1" "$2" 2>/dev/null; }
+common=(--bench both -b "$BATCH" --img-size 224 --amp --amp-dtype bfloat16 --channels-last --num-warm-iter 10 --num-bench-iter "$STEPS")
+for m in $MODELS; do
+  ours=$work/bench_${m}_imgtrain.json; eager=$work/bench_${m}_timm.json; comp=$work/bench_${m}_timm_compile.json
+  quiet_step "$m: imgtrain" bash -o pipefail -c "build-gpu/bin/imgtrain benchmark --model $m --device $DEVICE ${common[*]} | sed -n '/--result/,\$p' | tail -n +2 >$ours"
+  quiet_step "$m: timm eager" bash -o pipefail -c "$PYTHON bench/timm_benchmark.py --model $m --device $DEVICE ${common[*]} | sed -n '/--result/,\$p' | tail -n +2 >$eager"
+  if [[ " $COMPILE " == *" $m "* ]]; then
+    quiet_step "$m: timm torch.compile" bash -o pipefail -c "$PYTHON bench/timm_benchmark.py --model $m --device $DEVICE --torchcompile ${common[*]} | sed -n '/--result/,\$p' | tail -n +2 >$comp"
+  fi
+  for mode in train infer; do
+    a=$(field "$ours" ${mode}_samples_per_sec); b=$(field "$eager" ${mode}_samples_per_sec); c=$(field "$comp" ${mode}_samples_per_sec)
+    r1=$("$PYTHON" -c "print(f'{$a/$b:.3f}')" 2>/dev/null); r2=$("$PYTHON" -c "print(f'{$a/$c:.3f}')" 2>/dev/null)
+    echo "| $m | $mode | ${a:-failed} | ${b:-failed} | ${c:--} | ${r1:--} | ${r2:--} | $(field "$ours" ${mode}_max_allocated_mb) |" >>"$report"
+  done
+done
+note ""
+note "Total: $(elapsed). Commands and full output: gpu_check.log."
+cat "$report"
