@@ -1248,12 +1248,10 @@ EraseMode parse_erase_mode(std::string_view mode) {
   throw UserError(fmt::format("--remode '{}': accepted: const, rand, pixel", mode));
 }
 
-std::vector<cv::Rect> random_erasing(cv::Mat& img, const RandomErasingConfig& cfg, std::mt19937_64& rng) {
-  if (img.depth() != CV_32F || (img.channels() != 1 && img.channels() != 3))
-    throw std::invalid_argument(fmt::format("random_erasing: expected CV_32FC1 or CV_32FC3, got type {}", img.type()));
-  std::vector<cv::Rect> rects;
-  if (uniform01(rng) > cfg.probability) return rects;
-  const int ch = img.channels(), img_h = img.rows, img_w = img.cols;
+std::vector<ErasePatch> plan_random_erasing(int img_h, int img_w, int ch, const RandomErasingConfig& cfg,
+                                            std::mt19937_64& rng) {
+  std::vector<ErasePatch> patches;
+  if (uniform01(rng) > cfg.probability) return patches;
   const double area = double(img_h) * img_w;
   const double log_lo = std::log(cfg.min_aspect), log_hi = std::log(cfg.max_aspect.value_or(1.0 / cfg.min_aspect));
   const int max_count = std::max(cfg.min_count, cfg.max_count);
@@ -1268,19 +1266,37 @@ std::vector<cv::Rect> random_erasing(cv::Mat& img, const RandomErasingConfig& cf
       if (w < img_w && h < img_h) {
         int top = int(randint(rng, 0, img_h - h));
         int left = int(randint(rng, 0, img_w - w));
-        float colour[3] = {0, 0, 0};
-        if (cfg.mode == EraseMode::Rand)
-          for (int c = 0; c < ch; ++c) colour[c] = float(sample_gauss(0, 1, rng));
-        for (int y = top; y < top + h; ++y) {
-          float* row = img.ptr<float>(y);
-          for (int x = left; x < left + w; ++x)
-            for (int c = 0; c < ch; ++c)
-              row[x * ch + c] = cfg.mode == EraseMode::Pixel ? float(sample_gauss(0, 1, rng)) : colour[c];
+        ErasePatch p{cv::Rect(left, top, w, h), {}};
+        if (cfg.mode == EraseMode::Pixel) {  // one normal value per pixel and channel, in HWC order
+          p.values.resize(size_t(h) * size_t(w) * size_t(ch));
+          for (auto& v : p.values) v = float(sample_gauss(0, 1, rng));
+        } else {
+          p.values.assign(size_t(ch), 0.0f);
+          if (cfg.mode == EraseMode::Rand)
+            for (auto& v : p.values) v = float(sample_gauss(0, 1, rng));
         }
-        rects.emplace_back(left, top, w, h);
+        patches.push_back(std::move(p));
         break;
       }
     }
+  }
+  return patches;
+}
+
+std::vector<cv::Rect> random_erasing(cv::Mat& img, const RandomErasingConfig& cfg, std::mt19937_64& rng) {
+  if (img.depth() != CV_32F || (img.channels() != 1 && img.channels() != 3))
+    throw std::invalid_argument(fmt::format("random_erasing: expected CV_32FC1 or CV_32FC3, got type {}", img.type()));
+  const int ch = img.channels();
+  std::vector<cv::Rect> rects;
+  for (auto& p : plan_random_erasing(img.rows, img.cols, ch, cfg, rng)) {
+    const bool per_pixel = p.values.size() != size_t(ch);
+    for (int y = 0; y < p.rect.height; ++y) {
+      float* row = img.ptr<float>(p.rect.y + y) + size_t(p.rect.x) * ch;
+      for (int x = 0; x < p.rect.width; ++x)
+        for (int c = 0; c < ch; ++c)
+          row[x * ch + c] = per_pixel ? p.values[(size_t(y) * p.rect.width + x) * ch + c] : p.values[c];
+    }
+    rects.push_back(p.rect);
   }
   return rects;
 }

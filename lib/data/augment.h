@@ -159,5 +159,14 @@ struct RandomErasingConfig {
 };
 // Returns the erased rectangles (empty when the probability coin said no).
 std::vector<cv::Rect> random_erasing(cv::Mat& img, const RandomErasingConfig& cfg, std::mt19937_64& rng);
+// The same draws without an image: where to erase and with what, so the pixels can be written
+// wherever the image lives (a GPU batch). values: `channels` numbers for const / rand (the fill
+// of each channel), rect.height x rect.width x channels (HWC) for pixel.
+struct ErasePatch {
+  cv::Rect rect;
+  std::vector<float> values;
+};
+std::vector<ErasePatch> plan_random_erasing(int img_h, int img_w, int channels, const RandomErasingConfig& cfg,
+                                            std::mt19937_64& rng);
 
 }  // namespace imgtrain::data

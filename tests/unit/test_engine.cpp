@@ -9,6 +9,8 @@
 #include "engine/train_loop.h"
 #include "io/weights.h"
 #include "optim/optim.h"
+#include "core/rng.h"
+#include "tasks/classification/classification.h"
 #include "test_util.h"
 
 #include <catch2/catch.hpp>
@@ -550,6 +552,68 @@ TEST_CASE("CUDA: fused and multi-tensor optimizer steps equal the loops on the d
     std::_Exit(77);
   }
   fused_optimizers_agree(torch::Device(torch::kCUDA, 0), 1e-6);
+}
+
+namespace {
+
+// timm's RandomErasing per sample on HWC images through the cv::Mat path (the one the augment
+// parity tests hold to timm), with each sample's generator as the batch version seeds it.
+at::Tensor erase_per_image(const at::Tensor& x, const at::Tensor& indices, const data::RandomErasingConfig& c,
+                           uint64_t seed, int64_t epoch) {
+  auto host = x.to(torch::kCPU).permute({0, 2, 3, 1}).contiguous().clone();
+  for (int64_t i = 0; i < host.size(0); ++i) {
+    cv::Mat m(int(host.size(1)), int(host.size(2)), CV_32FC(int(host.size(3))), host[i].data_ptr<float>());
+    auto rng = sample_rng(seed ^ 0x657261736500ull, uint64_t(epoch), uint64_t(indices[i].item<int64_t>()));
+    data::random_erasing(m, c, rng);
+  }
+  return host.permute({0, 3, 1, 2});
+}
+
+// Every mode, one and three rectangles, both memory formats, grey and RGB: the batch erased where it
+// lives equals the per-image path bit for bit. Returns how many cases erased something.
+int erasing_matches(torch::Device dev) {
+  int erased = 0;
+  for (auto mode : {data::EraseMode::Const, data::EraseMode::Rand, data::EraseMode::Pixel})
+    for (int count : {1, 3})
+      for (int64_t ch : {3, 1})
+        for (bool cl : {false, true}) {
+          data::RandomErasingConfig c;
+          c.mode = mode;
+          c.probability = 0.7;
+          c.max_count = count;
+          torch::manual_seed(5);
+          auto x = torch::randn({6, ch, 20, 24});
+          auto indices = torch::tensor({3, 17, 4, 99, 0, 12}, torch::kLong);
+          const auto want = erase_per_image(x, indices, c, 42, 2);
+          auto y = x.clone().to(dev);
+          if (cl) y = y.contiguous(at::MemoryFormat::ChannelsLast);
+          auto got = tasks::random_erase(y, indices, c, 42, 2);
+          INFO("mode " << int(mode) << " count " << count << " channels " << ch << " channels_last " << cl);
+          CHECK(got.data_ptr() == y.data_ptr());  // in place
+          CHECK(torch::equal(got.to(torch::kCPU), want));
+          erased += !torch::equal(want, x);
+        }
+  return erased;
+}
+
+}  // namespace
+
+TEST_CASE("random erasing of a batch where it lives equals timm's per-image erasing", "[data]") {
+  CHECK(erasing_matches(torch::Device(torch::kCPU)) == 24);  // p 0.7 over 6 samples: every case erases
+  // probability 0: nothing drawn beyond the coin, nothing written
+  data::RandomErasingConfig off;
+  off.probability = 0;
+  auto x = torch::randn({2, 3, 8, 8});
+  CHECK(torch::equal(tasks::random_erase(x.clone(), torch::tensor({0, 1}, torch::kLong), off, 1, 0), x));
+}
+
+TEST_CASE("CUDA: random erasing on the device equals the host's", "[cuda][data]") {
+  if (!torch::cuda::is_available()) {
+    std::printf("skipped: no CUDA device\n");
+    std::fflush(stdout);
+    std::_Exit(77);
+  }
+  CHECK(erasing_matches(torch::Device(torch::kCUDA, 0)) == 24);
 }
 
 TEST_CASE("a data-parallel process's CUDA device: its local rank's, or the one device a launcher left visible",

@@ -22,22 +22,42 @@ ClassifierImpl& classifier(torch::nn::Module& m) {
   return *c;
 }
 
+}  // namespace
+
 // timm's RandomErasing on the normalised batch, each sample from its own (seed, epoch, index)
-// generator, so the result does not depend on batch composition or thread count.
-at::Tensor random_erase(const at::Tensor& x, const at::Tensor& indices, const data::RandomErasingConfig& c,
-                        uint64_t seed, int64_t epoch) {
-  const auto format = x.is_contiguous(at::MemoryFormat::ChannelsLast) ? at::MemoryFormat::ChannelsLast
-                                                                       : at::MemoryFormat::Contiguous;
-  auto host = x.to(torch::kCPU).permute({0, 2, 3, 1}).contiguous();  // NHWC float
-  const int h = int(host.size(1)), w = int(host.size(2)), ch = int(host.size(3));
-  const auto* idx = indices.data_ptr<int64_t>();
-  for (int64_t i = 0; i < host.size(0); ++i) {
-    cv::Mat m(h, w, CV_32FC(ch), host[i].data_ptr<float>());
-    auto rng = sample_rng(seed ^ 0x657261736500ull, uint64_t(epoch), uint64_t(idx[i]));
-    data::random_erasing(m, c, rng);
+// generator, so the result does not depend on batch composition or thread count. The draws are
+// made on the host (a few numbers per sample); the pixels are written where the batch lives, in
+// place: one transfer of the fill values per batch, no copy of the batch.
+at::Tensor random_erase(at::Tensor x, const at::Tensor& indices, const data::RandomErasingConfig& c, uint64_t seed,
+                        int64_t epoch) {
+  const int h = int(x.size(2)), w = int(x.size(3)), ch = int(x.size(1));
+  const auto idx = indices.to(torch::kCPU, torch::kLong).contiguous();
+  std::vector<std::pair<int64_t, data::ErasePatch>> patches;
+  std::vector<float> values;
+  for (int64_t i = 0; i < x.size(0); ++i) {
+    auto rng = sample_rng(seed ^ 0x657261736500ull, uint64_t(epoch), uint64_t(idx.data_ptr<int64_t>()[i]));
+    for (auto& p : data::plan_random_erasing(h, w, ch, c, rng)) {
+      values.insert(values.end(), p.values.begin(), p.values.end());
+      patches.emplace_back(i, std::move(p));
+    }
   }
-  return host.permute({0, 3, 1, 2}).to(x.device()).contiguous(format);
+  if (patches.empty()) return x;
+  torch::NoGradGuard ng;
+  auto all = torch::from_blob(values.data(), {int64_t(values.size())}, torch::kFloat).to(x.device(), x.scalar_type(),
+                                                                                        false, /*copy=*/true);
+  int64_t offset = 0;
+  for (auto& [i, p] : patches) {
+    const int64_t n = int64_t(p.values.size());
+    auto region = x[i].narrow(1, p.rect.y, p.rect.height).narrow(2, p.rect.x, p.rect.width);
+    auto v = all.narrow(0, offset, n);
+    if (n == ch) region.copy_(v.view({ch, 1, 1}));  // one value per channel
+    else region.copy_(v.view({p.rect.height, p.rect.width, ch}).permute({2, 0, 1}));
+    offset += n;
+  }
+  return x;
 }
+
+namespace {
 
 class ClassificationEvaluator : public engine::Evaluator {
  public:

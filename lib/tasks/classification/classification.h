@@ -26,6 +26,11 @@ struct ClassificationOptions {
   int64_t rank = 0;
 };
 
+// timm's RandomErasing on a normalised NCHW batch (any device, any memory format), in place: each
+// sample draws from its own (seed, epoch, indices[i]) generator; returns x.
+at::Tensor random_erase(at::Tensor x, const at::Tensor& indices, const data::RandomErasingConfig& c, uint64_t seed,
+                        int64_t epoch);
+
 // Percent of rows whose target is within the top-k predictions, for each k.
 std::vector<double> accuracy(const at::Tensor& logits, const at::Tensor& target, const std::vector<int64_t>& ks);
 
