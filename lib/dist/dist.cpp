@@ -170,9 +170,10 @@ class SyncBatchNorm : public SyncBatchNormHook {
 };
 
 struct SyncBatchNormFn : torch::autograd::Function<SyncBatchNormFn> {
+  // total_count: a 0-dim tensor on the input's device (no host read of the gathered counts).
   static at::Tensor forward(torch::autograd::AutogradContext* ac, const at::Tensor& x, const at::Tensor& weight,
                             const at::Tensor& bias, const at::Tensor& mean, const at::Tensor& invstd,
-                            int64_t total_count, int64_t ctx_ptr) {
+                            const at::Tensor& total_count, int64_t ctx_ptr) {
     const std::vector<int64_t> shape{1, -1, 1, 1};
     const auto ct = mean.scalar_type();  // float32, or float64 for float64 inputs
     auto xf = x.to(ct);
@@ -192,7 +193,7 @@ struct SyncBatchNormFn : torch::autograd::Function<SyncBatchNormFn> {
     const auto& mean = saved[2];
     const auto& invstd = saved[3];
     auto* ctx = reinterpret_cast<Context*>(ac->saved_data["ctx"].toInt());
-    const double count = double(ac->saved_data["count"].toInt());
+    const auto count = ac->saved_data["count"].toTensor();
     const std::vector<int64_t> shape{1, -1, 1, 1};
     const auto ct = mean.scalar_type();
     auto dy = grads[0].to(ct);
@@ -204,7 +205,8 @@ struct SyncBatchNormFn : torch::autograd::Function<SyncBatchNormFn> {
     auto both = at::cat({sum_dy, sum_dy_xmu});
     ctx->all_reduce_sum_(both);
     const int64_t c = mean.size(0);
-    auto mean_dy = both.narrow(0, 0, c) / count, mean_dy_xmu = both.narrow(0, c, c) / count;
+    const auto n = count.to(ct);
+    auto mean_dy = both.narrow(0, 0, c) / n, mean_dy_xmu = both.narrow(0, c, c) / n;
     auto gx = (dy - mean_dy.view(shape) - xmu * (invstd * invstd * mean_dy_xmu).view(shape)) *
               (invstd * weight.to(ct)).view(shape);
     return {gx.to(x.scalar_type()), grad_weight, grad_bias, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
@@ -214,8 +216,7 @@ struct SyncBatchNormFn : torch::autograd::Function<SyncBatchNormFn> {
 at::Tensor SyncBatchNorm::forward(torch::nn::BatchNorm2dImpl& bn, const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 4, "SyncBatchNorm: expected a 4-D input");
   const int64_t c = x.size(1);
-  at::Tensor mean, invstd;
-  int64_t total = 0;
+  at::Tensor mean, invstd, total;
   const auto ct = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   {
     torch::NoGradGuard ng;
@@ -224,18 +225,18 @@ at::Tensor SyncBatchNorm::forward(torch::nn::BatchNorm2dImpl& bn, const at::Tens
     const double n = double(x.size(0) * x.size(2) * x.size(3));
     auto local = at::cat({m, var, at::full({1}, n, m.options())}).to(at::kDouble);
     auto all = ctx_->all_gather(local).to(x.device());  // [W, 2C + 1]
+    // The total count stays a device tensor: no host synchronisation per layer on a GPU.
     auto counts = all.select(1, 2 * c);
-    const double total_n = counts.sum().item<double>();
+    total = counts.sum();
     auto means = all.narrow(1, 0, c), vars = all.narrow(1, c, c);
-    auto w = (counts / total_n).unsqueeze(1);
+    auto w = (counts / total).unsqueeze(1);
     auto gmean = (means * w).sum(0);
     auto gvar = ((vars + (means - gmean).pow(2)) * w).sum(0);
     mean = gmean.to(ct);
     invstd = (gvar + bn.options.eps()).rsqrt().to(ct);
-    total = int64_t(total_n);
     if (bn.options.track_running_stats() && bn.running_mean.defined()) {
       const double mom = bn.options.momentum().value_or(0.1);
-      auto unbiased = gvar * (total_n / std::max(total_n - 1.0, 1.0));
+      auto unbiased = gvar * (total / (total - 1.0).clamp_min(1.0));
       bn.running_mean.mul_(1 - mom).add_(gmean.to(bn.running_mean.scalar_type()), mom);
       bn.running_var.mul_(1 - mom).add_(unbiased.to(bn.running_var.scalar_type()), mom);
       bn.num_batches_tracked.add_(1);
