@@ -26,6 +26,8 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 #include <torch/torch.h>
+#include <c10/core/Event.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <fmt/ranges.h>
 
@@ -425,6 +427,34 @@ class C10dContext : public Context {
   at::Tensor on_device(const at::Tensor& t) const {
     return backend_ == "nccl" && !t.is_cuda() ? t.to(device_) : t;
   }
+
+ public:
+  bool any_lagged(bool flag) override {
+    if (!device_.is_cuda()) return any(flag);
+    c10::impl::VirtualGuardImpl impl(device_.type());
+    bool previous = false;
+    if (lag_event_) {
+      lag_event_->synchronize();  // the previous call's copy: queued an update ago, normally done
+      previous = lag_host_.data_ptr<double>()[0] > 0;
+    }
+    ++own_allreduce_;
+    auto t = at::full({1}, flag ? 1.0 : 0.0, at::TensorOptions().dtype(at::kDouble).device(device_));
+    std::vector<at::Tensor> v{t};
+    pg_->allreduce(v)->wait();  // the current stream waits for NCCL's; the host does not
+    if (!lag_host_.defined()) lag_host_ = at::empty({1}, at::TensorOptions().dtype(at::kDouble).pinned_memory(true));
+    lag_host_.copy_(t, /*non_blocking=*/true);
+    if (!lag_event_) lag_event_.emplace(device_.type());
+    lag_event_->record(impl.getStream(device_));
+    return previous;
+  }
+  void reset_lagged() override {
+    if (lag_event_) lag_event_->synchronize();
+    lag_event_.reset();
+  }
+
+ private:
+  std::optional<c10::Event> lag_event_;
+  at::Tensor lag_host_;
   void start_heartbeat() {
     hb_thread_ = std::thread([this] {
       std::unique_lock<std::mutex> lk(hb_mu_);

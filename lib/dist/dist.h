@@ -82,6 +82,13 @@ class Context {
   std::vector<double> mean(const std::vector<double>& v);
   // True when any rank's flag is set.
   bool any(bool flag);
+  // any(), one call late where waiting for its answer would stall a GPU: on a CUDA device the
+  // flag is reduced on the device and read back without a host synchronisation, and the answer
+  // returned is that of the previous call (false on the first); every rank gets the same answer
+  // from the same call. Elsewhere (Gloo on the CPU: no queue to stall) it is any(flag) itself.
+  // reset_lagged() drops a pending answer (at an epoch's start; the epoch's end checks any()).
+  virtual bool any_lagged(bool flag) { return any(flag); }
+  virtual void reset_lagged() {}
   // Every rank's bytes, in rank order (sizes first, then one padded all-gather).
   std::vector<std::string> all_gather_bytes(const std::string& mine);
 

@@ -131,6 +131,7 @@ EpochResult train_one_epoch(Task& task, torch::nn::Module& model, data::Loader& 
   EpochResult res;
   model.train();
   task.start_epoch(o.epoch);
+  if (o.dist) o.dist->reset_lagged();  // a stop answer pending from the last epoch: its end checked
   const int64_t n_batches = int64_t(loader.num_batches());
   const int64_t first_batch = std::min(n_batches, o.start_update * o.accum_steps);
   loader.start_epoch(o.epoch, size_t(first_batch));
@@ -291,9 +292,10 @@ EpochResult train_one_epoch(Task& task, torch::nn::Module& model, data::Loader& 
     update_samples = 0;
     if (run_ends) break;  // every rank counts the same updates
     if (o.honour_stop && !last_batch) {  // (after the last batch, fit stops after the checkpoint)
-      // Every rank stops after the same update: the flag is agreed on (one tiny all-reduce).
+      // Every rank stops after the same update: the flag is agreed on (one tiny all-reduce; on a
+      // GPU read one update late, so the host never waits for the device here).
       const int sig = dist::stop_signal();
-      if (o.dist ? o.dist->any(sig != 0) : sig != 0) {
+      if (o.dist ? o.dist->any_lagged(sig != 0) : sig != 0) {
         res.stopped_by = sig ? sig : SIGTERM;
         res.stopped_after = update_idx;
         if (o.save_recovery) o.save_recovery(update_idx, recovery_meters());

@@ -12,6 +12,8 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/torch.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <thread>
 
 using namespace imgtrain;
@@ -104,4 +106,35 @@ TEST_CASE("the reducer averages gradients over ranks and skips no-sync micro-ste
   // Each rank's loss is the mean over its 2 samples; the average over ranks is the union's mean.
   CHECK(torch::allclose(gw[0], ref->weight.grad(), 1e-12, 1e-14));
   CHECK(torch::allclose(gw[1], ref->weight.grad(), 1e-12, 1e-14));
+}
+
+TEST_CASE("CUDA: the stop agreement answers one call late without a host synchronisation (NCCL, one rank)",
+          "[cuda][dist]") {
+  if (!torch::cuda::is_available()) {
+    std::printf("skipped: no CUDA device\n");
+    std::fflush(stdout);
+    std::_Exit(77);
+  }
+  c10d::TCPStoreOptions so;
+  so.port = 0;
+  so.isServer = true;
+  so.waitWorkers = false;
+  auto server = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
+  dist::DistEnv env;
+  env.world_size = 1;
+  env.local_world_size = 1;
+  env.master_port = server->getPort();
+  env.use_agent_store = true;
+  env.run_id = "unit-cuda";
+  dist::InitOptions io;
+  io.device = torch::Device(torch::kCUDA, 0);
+  auto ctx = dist::Context::init(env, io);
+  REQUIRE(ctx->backend() == "nccl");
+  CHECK_FALSE(ctx->any_lagged(true));  // no answer yet
+  CHECK(ctx->any_lagged(false));       // the previous call's flag
+  CHECK_FALSE(ctx->any_lagged(false));
+  ctx->any_lagged(true);
+  ctx->reset_lagged();  // an epoch starts: the pending answer is dropped
+  CHECK_FALSE(ctx->any_lagged(false));
+  CHECK(ctx->any(true));
 }
