@@ -244,6 +244,9 @@ const std::vector<Flag>& flags() {
        "What to benchmark (data / data-eval: the training / eval input pipeline alone)", BENCH,
        {"inference", "train", "both", "data", "data-eval"}},
       {"num-warm-iter", "", &Config::num_warm_iter, "Warm-up iterations", BENCH, {}, non_negative},
+      {"cuda-graph", "", &Config::cuda_graph,
+       "Capture the benchmarked step in a CUDA graph after warm-up and replay it (torch.compile's reduce-overhead)",
+       BENCH},
       {"profile", "", &Config::profile,
        "Print where the timed steps go: forward / backward / optimizer and the ops with the most self time "
        "(host time of each op call; on CUDA that is launch time, use Nsight for kernels)",
@@ -589,7 +592,7 @@ void check_effective(Command cmd, const Config& c) {
   };
   const bool data_bench = c.bench == "data" || c.bench == "data-eval";
   if (cmd == Command::Benchmark && data_bench)
-    refuse({"model", "device", "amp", "amp-dtype", "channels-last", "num-classes", "gp", "opt", "opt-impl", "profile",
+    refuse({"model", "device", "amp", "amp-dtype", "channels-last", "num-classes", "gp", "opt", "opt-impl", "profile", "cuda-graph",
             "nproc-per-node"},
            fmt::format("with --bench {} (it measures the input pipeline alone, on the CPU)", c.bench));
   if (cmd == Command::Benchmark && c.bench == "data")

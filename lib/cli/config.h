@@ -132,6 +132,7 @@ struct Config {
   bool use_train_size = false;
   std::string bench = "both";
   bool profile = false;
+  bool cuda_graph = false;
   int64_t num_warm_iter = 10;
   int64_t num_bench_iter = 40;
   bool channels_last = false;

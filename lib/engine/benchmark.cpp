@@ -15,7 +15,10 @@
 
 #include <ATen/record_function.h>
 #ifdef IMGTRAIN_WITH_CUDA
+#include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #endif
 
 #include <algorithm>
@@ -127,6 +130,41 @@ void report(int64_t steps, const std::string& prefix, nlohmann::ordered_json& re
   std::fflush(stdout);
 }
 }  // namespace profile
+
+// --cuda-graph (what timm users get from torch.compile's "reduce-overhead"): the step (forward, or
+// forward + loss + backward + optimizer step) run eagerly three times on a side stream (cuDNN's
+// autotuning, the optimizer's state), then captured once into a CUDA graph with the gradients
+// unset, so that backward allocates them from the graph's pool; each timed step is one replay.
+// The shapes are static by construction here (one synthetic batch).
+#ifdef IMGTRAIN_WITH_CUDA
+using Graph = at::cuda::CUDAGraph;
+std::unique_ptr<Graph> capture_step(const std::function<void()>& body, optim::Optimizer* opt, torch::Device device) {
+  torch::cuda::synchronize(device.index());
+  auto side = c10::cuda::getStreamFromPool(false, device.index());
+  auto graph = std::make_unique<Graph>();
+  {
+    c10::cuda::CUDAStreamGuard guard(side);
+    for (int i = 0; i < 3; ++i) {
+      if (opt) opt->zero_grad(true);
+      body();
+    }
+    if (opt) opt->zero_grad(true);
+    graph->capture_begin();
+    body();
+    graph->capture_end();
+  }
+  torch::cuda::synchronize(device.index());
+  log::info("--cuda-graph: the step is captured; each timed step replays it");
+  return graph;
+}
+void replay(Graph& g) { g.replay(); }
+#else
+struct Graph {};
+std::unique_ptr<Graph> capture_step(const std::function<void()>&, optim::Optimizer*, torch::Device) {
+  throw UserError("--cuda-graph: this imgtrain was built without CUDA");
+}
+void replay(Graph&) {}
+#endif
 
 // benchmark.py's optimizer: create_optimizer_v2(model, opt, lr=1e-4), no weight decay, over the
 // parameters that train.
@@ -368,15 +406,26 @@ int benchmark_detection(const cli::Config& cfg, torch::Device device) {
 int benchmark(const cli::Config& cfg) {
   bench_slowdown();  // a malformed test hook is refused before anything runs
   if (cfg.bench == "data" || cfg.bench == "data-eval") return benchmark_data(cfg);
-  if (model_zoo::model_task(cfg.model) == "detection") return benchmark_detection(cfg, resolve_device(cfg.device, cfg.tf32));
+  if (model_zoo::model_task(cfg.model) == "detection") {
+    if (cfg.cuda_graph)
+      throw UserError("--cuda-graph: a detector's shapes change with every image (proposals, detections), so its "
+                      "step cannot be captured; leave --cuda-graph out");
+    return benchmark_detection(cfg, resolve_device(cfg.device, cfg.tf32));
+  }
   if (!cfg.pretrained_path.empty())  // a classifier's step time does not depend on its weights
     throw UserError(fmt::format("--pretrained-path: the benchmark of a classifier times random weights, as timm's "
                                 "benchmark.py; it applies to detectors (--model {} is a classifier)",
                                 cfg.model));
   auto device = resolve_device(cfg.device, cfg.tf32);
+  if (cfg.cuda_graph && !device.is_cuda())
+    throw UserError(fmt::format("--cuda-graph needs a CUDA device (the device is {}); leave it out on the CPU",
+                                device.str()));
   // Under a launcher the train benchmark is data parallel: each process steps its own batch and
   // the gradients are all-reduced as in training (the reported step time is rank 0's).
   auto ctx = join_process_group(cfg.dist_backend, cfg.dist_timeout, cfg.rdzv_timeout, device);
+  if (cfg.cuda_graph && ctx)
+    throw UserError("--cuda-graph: not with a data-parallel benchmark yet (the gradient all-reduce is not "
+                    "captured); benchmark one process, or leave --cuda-graph out");
   const Amp amp = resolve_amp(cfg.amp, cfg.amp_dtype, cfg.amp_opt_level);
   const auto& d = model_zoo::model_defaults(cfg.model);
   // timm: the test input size unless --img-size or --use-train-size.
@@ -413,9 +462,7 @@ int benchmark(const cli::Config& cfg) {
     const char* what = train ? "train" : "inference";
     log::info("Running {} benchmark on {} for {} steps w/ input size ({}, {}, {}) and batch size {}.", what,
               cfg.model, cfg.num_bench_iter, margs.in_chans, img, img, b);
-    auto step = [&]() -> double {
-      if (train) opt->zero_grad(/*set_to_none=*/!sync);  // DDP: keep the bucket views
-      const double t0 = now_s(device);
+    auto body = [&]() {
       if (train) {
         at::Tensor loss;
         {
@@ -440,6 +487,13 @@ int benchmark(const cli::Config& cfg) {
         AutocastScope ac(amp.enabled, device.type(), amp.dtype);
         model->forward(x);
       }
+    };
+    auto graph = cfg.cuda_graph ? capture_step(body, train ? opt.get() : nullptr, device) : nullptr;
+    auto step = [&]() -> double {
+      if (train && !graph) opt->zero_grad(/*set_to_none=*/!sync);  // DDP: keep the bucket views
+      const double t0 = now_s(device);
+      if (graph) replay(*graph);
+      else body();
       return now_s(device) - t0;
     };
     time_steps(step, cfg, device, train, b, img, 2, results);

@@ -335,6 +335,11 @@ TEST_CASE("benchmark prints timm's fields and writes the results file", "[integr
   INFO(pl.output);
   CHECK_THAT(pl.output, Catch::Contains("aten::convolution_backward") && !Catch::Contains("aten::_fused_sgd_"));
   expect_user_error(test::run(kBin + " benchmark --bench data --profile --data-dir /nonexistent"), "--profile has no effect");
+  // --cuda-graph: refused where it cannot hold, in one line
+  expect_user_error(test::run(kBin + " benchmark --model resnet18 --cuda-graph --device cpu"),
+                    "--cuda-graph needs a CUDA device");
+  expect_user_error(test::run(kBin + " benchmark --model fasterrcnn_mobilenet_v3_large_320_fpn --cuda-graph"),
+                    "cannot be captured");
   // a detector: the same fields, its own parameter count
   auto det = test::run(kBin + " benchmark --model fasterrcnn_mobilenet_v3_large_320_fpn -b 1 --img-size 96 " +
                        "--num-warm-iter 0 --num-bench-iter 1 --device cpu --results-file " + (d / "det.json") +
