@@ -125,8 +125,7 @@ DataConfig resolve_data_config(const DataOverrides& o, const ModelDefaults& d) {
 
 at::Tensor model_input(const at::Tensor& nhwc_u8, torch::Device dev, const std::vector<double>& mean,
                        const std::vector<double>& std, bool channels_last) {
-  auto x = data::normalize_nhwc_u8(nhwc_u8.to(dev, /*non_blocking=*/true), mean, std);
-  return channels_last ? x.contiguous(at::MemoryFormat::ChannelsLast) : x;
+  return data::normalize_nhwc_u8(nhwc_u8.to(dev, /*non_blocking=*/true), mean, std, channels_last);
 }
 
 void require_file(const std::string& path, const char* flag) {

@@ -8,6 +8,8 @@
 #include "test_util.h"
 
 #include <catch2/catch.hpp>
+#include <cstdio>
+#include <cstdlib>
 #include <fmt/format.h>
 #include <opencv2/imgcodecs.hpp>
 #include <zlib.h>
@@ -473,6 +475,31 @@ TEST_CASE("device normalisation matches the per-element formula", "[data][normal
         for (int w = 0; w < 7; ++w)
           worst = std::max(worst, std::abs(ya[n][c][h][w] - (xa[n][h][w][c] / 255.0 - mean[c]) / sd[c]));
   CHECK(worst < 1e-5);
+  // channels-last in the same pass: the same numbers, in NHWC memory
+  auto cl = normalize_nhwc_u8(x, mean, sd, /*channels_last=*/true);
+  CHECK(cl.is_contiguous(at::MemoryFormat::ChannelsLast));
+  CHECK(torch::equal(cl, y));
+}
+
+TEST_CASE("CUDA: the device normalisation kernel equals the CPU path bit for bit, in both layouts",
+          "[cuda][data][normalize]") {
+  if (!torch::cuda::is_available()) {
+    std::printf("skipped: no CUDA device\n");
+    std::fflush(stdout);
+    std::_Exit(77);
+  }
+  REQUIRE(normalize_has_cuda_kernel());
+  for (int64_t c : {3, 1}) {
+    auto x = torch::randint(0, 256, {3, 17, 29, c}, torch::kUInt8);
+    std::vector<double> mean(size_t(c), 0.45), sd(size_t(c), 0.226);
+    if (c == 3) mean = {0.485, 0.456, 0.406}, sd = {0.229, 0.224, 0.225};
+    const auto want = normalize_nhwc_u8(x, mean, sd);
+    for (bool cl : {false, true}) {
+      auto got = normalize_nhwc_u8(x.to(torch::kCUDA), mean, sd, cl);
+      CHECK(got.is_contiguous(cl ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous));
+      CHECK(torch::equal(got.cpu(), want));
+    }
+  }
 }
 
 TEST_CASE("mixup and cutmix mix each sample with its mirror", "[data][mixup]") {
