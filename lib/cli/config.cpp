@@ -219,7 +219,9 @@ const std::vector<Flag>& flags() {
       {"max-image-pixels", "", &Config::max_image_pixels,
        "Images with more pixels are skipped as decompression bombs (PIL's limit; 0: no limit)", BOTH | BENCH, {},
        non_negative},
-      {"pin-mem", "", &Config::pin_mem, "Pin host memory of batches (CUDA)", BOTH},
+      {"pin-mem", "", &Config::pin_mem,
+       "Pin host memory of batches so copies to the GPU overlap compute (default on CUDA; --pin-mem=false turns it off)",
+       BOTH},
       // misc
       {"seed", "", &Config::seed, "Random seed", TRAIN, {}, non_negative},
       {"log-interval", "", &Config::log_interval, "Batches between log lines", BOTH, {}, positive},

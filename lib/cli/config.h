@@ -116,6 +116,9 @@ struct Config {
   int64_t workers = 4;
   int64_t max_image_pixels = 2 * 89478485;  // PIL's decompression-bomb limit (2 x Image.MAX_IMAGE_PIXELS)
   bool pin_mem = false;
+  // Batches in pinned memory: on CUDA unless --pin-mem=false was given (timm's prefetcher overlaps
+  // the copy with compute, which needs pinned memory); never elsewhere.
+  bool pinned_batches(bool cuda) const { return cuda && (pin_mem || !was_given("pin-mem")); }
   // misc
   int64_t seed = 42;
   int64_t log_interval = 50;

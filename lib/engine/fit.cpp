@@ -213,7 +213,7 @@ int fit(const cli::Config& given_cfg, torch::Device device, dist::Context* ctx) 
   build(r, cfg, device, ctx, amp);
 
   data::LoaderOptions lo = cli::loader_options(cfg);
-  lo.pin_memory = cfg.pin_mem && device.is_cuda();
+  lo.pin_memory = cfg.pinned_batches(device.is_cuda());
   lo.cuda_device = device.is_cuda() ? device.index() : -1;
   lo.rank = rank;
   lo.world = world;

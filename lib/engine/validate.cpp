@@ -38,7 +38,7 @@ int validate(const cli::Config& cfg) {
   data::LoaderOptions lo;
   lo.batch_size = cfg.batch_size;
   lo.workers = cfg.workers;
-  lo.pin_memory = cfg.pin_mem && device.is_cuda();
+  lo.pin_memory = cfg.pinned_batches(device.is_cuda());
   lo.cuda_device = device.is_cuda() ? device.index() : -1;
   lo.pad_shares = !setup.sharded_eval;
   data::Loader loader(setup.eval, setup.eval_transform, lo);

@@ -652,3 +652,11 @@ TEST_CASE("a detector's own defaults apply unless the command line or the -c fil
   auto r = imgtrain::tasks::with_model_defaults(train({"--model", "resnet18"}));
   CHECK(r.min_size == std::vector<double>{800});  // not a detector: as given
 }
+
+TEST_CASE("batches are pinned on CUDA unless --pin-mem=false says otherwise, never on the CPU", "[cli]") {
+  CHECK(train({}).pinned_batches(true));
+  CHECK_FALSE(train({}).pinned_batches(false));
+  CHECK_FALSE(train({"--pin-mem=false"}).pinned_batches(true));
+  CHECK(train({"--pin-mem"}).pinned_batches(true));
+  CHECK_FALSE(train({"--pin-mem"}).pinned_batches(false));
+}
