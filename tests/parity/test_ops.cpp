@@ -4,6 +4,8 @@
 #include "io/safetensors.h"
 #include "ops/ops.h"
 
+#include "test_util.h"
+
 #include <catch2/catch.hpp>
 #include <cstdio>
 #include <cstdlib>
@@ -79,11 +81,7 @@ TEST_CASE("roi_align forward and input gradient equal torchvision's", "[parity][
 // the device may differ from by float rounding (contraction), so values are compared with a
 // tolerance and NMS indices exactly. Without a GPU the test reports itself skipped (exit 77).
 TEST_CASE("CUDA kernels: nms, batched_nms and roi_align on the device agree with torchvision's", "[cuda][ops]") {
-  if (!torch::cuda::is_available()) {
-    std::printf("skipped: no CUDA device\n");
-    std::fflush(stdout);
-    std::_Exit(77);
-  }
+  test::skip_unless(torch::cuda::is_available());
   const torch::Device dev(torch::kCUDA, 0);
   int cases = 0;
   for (int i = 0; refs().find(fmt::format("nms{}_boxes", i)); ++i, ++cases) {

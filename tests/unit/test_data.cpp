@@ -483,11 +483,7 @@ TEST_CASE("device normalisation matches the per-element formula", "[data][normal
 
 TEST_CASE("CUDA: the device normalisation kernel equals the CPU path bit for bit, in both layouts",
           "[cuda][data][normalize]") {
-  if (!torch::cuda::is_available()) {
-    std::printf("skipped: no CUDA device\n");
-    std::fflush(stdout);
-    std::_Exit(77);
-  }
+  test::skip_unless(torch::cuda::is_available());
   REQUIRE(normalize_has_cuda_kernel());
   for (int64_t c : {3, 1}) {
     auto x = torch::randint(0, 256, {3, 17, 29, c}, torch::kUInt8);

@@ -8,6 +8,8 @@
 #include "dist/dist.h"
 #include "two_ranks.h"
 
+#include "test_util.h"
+
 #include <catch2/catch.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/torch.h>
@@ -110,11 +112,7 @@ TEST_CASE("the reducer averages gradients over ranks and skips no-sync micro-ste
 
 TEST_CASE("CUDA: the stop agreement answers one call late without a host synchronisation (NCCL, one rank)",
           "[cuda][dist]") {
-  if (!torch::cuda::is_available()) {
-    std::printf("skipped: no CUDA device\n");
-    std::fflush(stdout);
-    std::_Exit(77);
-  }
+  test::skip_unless(torch::cuda::is_available());
   c10d::TCPStoreOptions so;
   so.port = 0;
   so.isServer = true;

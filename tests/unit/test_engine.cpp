@@ -546,11 +546,7 @@ TEST_CASE("optimizers through ATen's fused and multi-tensor kernels equal the pe
 }
 
 TEST_CASE("CUDA: fused and multi-tensor optimizer steps equal the loops on the device", "[cuda][optim]") {
-  if (!torch::cuda::is_available()) {
-    std::printf("skipped: no CUDA device\n");
-    std::fflush(stdout);
-    std::_Exit(77);
-  }
+  test::skip_unless(torch::cuda::is_available());
   fused_optimizers_agree(torch::Device(torch::kCUDA, 0), 1e-6);
 }
 
@@ -608,11 +604,7 @@ TEST_CASE("random erasing of a batch where it lives equals timm's per-image eras
 }
 
 TEST_CASE("CUDA: random erasing on the device equals the host's", "[cuda][data]") {
-  if (!torch::cuda::is_available()) {
-    std::printf("skipped: no CUDA device\n");
-    std::fflush(stdout);
-    std::_Exit(77);
-  }
+  test::skip_unless(torch::cuda::is_available());
   CHECK(erasing_matches(torch::Device(torch::kCUDA, 0)) == 24);
 }
 
@@ -632,11 +624,7 @@ TEST_CASE("a data-parallel process's CUDA device: its local rank's, or the one d
 
 TEST_CASE("CUDA: a checkpoint keeps the device generator, so a resumed run draws what the run would have",
           "[cuda][engine]") {
-  if (!torch::cuda::is_available()) {
-    std::printf("skipped: no CUDA device\n");
-    std::fflush(stdout);
-    std::_Exit(77);
-  }
+  test::skip_unless(torch::cuda::is_available());
   const torch::Device dev(torch::kCUDA, 0);
   test::TempDir d("cudarng");
   auto g = at::globalContext().defaultGenerator(dev);
