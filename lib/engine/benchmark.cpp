@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
+#include <ATen/autocast_mode.h>
 #include <ATen/record_function.h>
 #ifdef IMGTRAIN_WITH_CUDA
 #include <ATen/cuda/CUDAGraph.h>
@@ -149,9 +150,13 @@ std::unique_ptr<Graph> capture_step(const std::function<void()>& body, optim::Op
       body();
     }
     if (opt) opt->zero_grad(true);
+    // As torch.cuda.graph's advice: no autocast weight-cast cache while capturing
+    const bool cache = at::autocast::is_autocast_cache_enabled();
+    at::autocast::set_autocast_cache_enabled(false);
     graph->capture_begin();
     body();
     graph->capture_end();
+    at::autocast::set_autocast_cache_enabled(cache);
   }
   torch::cuda::synchronize(device.index());
   log::info("--cuda-graph: the step is captured; each timed step replays it");
