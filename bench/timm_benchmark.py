@@ -33,6 +33,8 @@ p.add_argument('--torchcompile', nargs='?', const='default', default=None)
 args = p.parse_args()
 device = torch.device(args.device).type
 cuda = device == 'cuda'
+if cuda:
+    torch.backends.cudnn.benchmark = True  # as timm's benchmark.py (and imgtrain on CUDA)
 
 
 def now():
