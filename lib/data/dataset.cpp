@@ -286,7 +286,7 @@ const char* image_format(const std::string& b) {
   auto starts = [&](const char* magic, size_t n, size_t at = 0) { return b.size() >= at + n && !b.compare(at, n, magic, n); };
   if (starts("\x89PNG\r\n\x1a\n", 8)) return "PNG";
   if (starts("BM", 2)) return "BMP";
-  if (starts("RIFF", 4) && starts("WEBP", 4, 8)) return "WebP";
+  if (starts("RIFF", 4) && starts("WEBP", 4, 8) && starts("VP8", 3, 12)) return "WebP";  // VP8, VP8L, VP8X
   if (starts("II*\0", 4) || starts("MM\0*", 4)) return "TIFF";
   if (starts("P5", 2) || starts("P6", 2)) return "PNM";
   return "";
@@ -370,6 +370,13 @@ cv::Mat decode_image(const std::string& bytes, const std::string& what) {
   // OpenCV tries every decoder it has on unknown bytes, and some abort the process on bad input
   // (GDCM's DICOM reader asserts): only the formats imgtrain reads reach it.
   if (format.empty()) throw DecodeError(fmt::format("cannot decode '{}': not an image (no known image header)", what));
+  // OpenCV picks the decoder by its own signature checks, and its DICOM reader's is "DICM" at
+  // byte 128: a file its own decoder turns down would go there, which allocates what the bytes
+  // claim (4 GB from a 169-byte input, found by fuzz_image). Such files are refused.
+  if (bytes.size() >= 132 && bytes.compare(128, 4, "DICM") == 0)
+    throw DecodeError(fmt::format("cannot decode '{}': a {} whose bytes 128-131 read 'DICM' (OpenCV would treat it as "
+                                  "DICOM); skipped",
+                                  what, format));
   const std::string data = format == "PNG" ? png_without_iccp(bytes, what) : std::string();
   const std::string& src = format == "PNG" ? data : bytes;
   cv::Mat raw;

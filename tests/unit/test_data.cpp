@@ -8,6 +8,8 @@
 #include "test_util.h"
 
 #include <catch2/catch.hpp>
+#include <fstream>
+#include <iterator>
 #include <cstdio>
 #include <cstdlib>
 #include <fmt/format.h>
@@ -261,6 +263,17 @@ TEST_CASE("decode errors say what is wrong in words, and libpng's chatter stays 
   const std::string png(buf.begin(), buf.end());
   CHECK_THROWS_WITH(decode_image(png.substr(0, 40), "cut.png"), Catch::Contains("'cut.png': truncated PNG"));
   CHECK_THROWS_WITH(decode_image(png.substr(0, png.size() - 1), "cut.png"), Catch::Contains("truncated PNG"));
+#ifdef IMGTRAIN_WITH_IMGCODECS
+  // fuzz_image's 4 GB allocation: a RIFF/WEBP header over a "VP9 " chunk, "DICM" at byte 128
+  // (OpenCV's WebP decoder turns it down and its DICOM reader takes it). Refused, nothing allocated.
+  std::ifstream f(std::string(IMGTRAIN_SOURCE_DIR) + "/tests/fuzz/corpus/image/regress-webp-dicm-oom", std::ios::binary);
+  const std::string oom((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  REQUIRE(oom.size() == 169);
+  CHECK_THROWS_WITH(decode_image(oom, "x.webp"), Catch::Contains("'x.webp': not an image"));
+  std::string dicm = png + std::string(200, '\0');  // a PNG-headed file with DICM at 128
+  dicm.replace(128, 4, "DICM");
+  CHECK_THROWS_WITH(decode_image(dicm, "d.png"), Catch::Contains("'d.png': a PNG whose bytes 128-131 read 'DICM'"));
+#endif
   // An iCCP chunk holding a broken profile (libpng warns about such on stderr): decoded as if absent,
   // and nothing is printed.
   uLongf zlen = 64;
