@@ -4,6 +4,12 @@ a baseline, failing when a ratio falls below a threshold.
 
   ci_bench.py run --suite bench/suites/ci-cpu.yaml [--repeats 3] [--out results.json] [--imgtrain BIN]
   ci_bench.py compare BASELINE.json NOW.json [--threshold 0.90]
+  ci_bench.py table RESULTS.json      (a markdown table: scripts/gpu_check.sh's report)
+
+A suite (bench/suites/*.yaml) names its `device` (cpu unless said; --device overrides) and entries:
+`name`, `args` (imgtrain benchmark flags, the same for timm's script), `reference: timm` (timm
+eager measured in the same round), `cuda_graph: true` (imgtrain also with --cuda-graph),
+`compiled: true` (timm also under torch.compile, after every other command of the round).
 
 A record per entry and mode (infer / train): imgtrain's median samples/s over the repeats and its
 spread (min, max), the reference's median and the ratio imgtrain / reference, plus what the
@@ -14,7 +20,9 @@ entry alike; the ratio is the median of the rounds' ratios (each round's two sid
 back). `compare` judges the ratio to the reference where both files have one (a faster or
 slower machine moves both sides), else samples/s, and exits 1 naming each entry below threshold.
 The environment variable IMGTRAIN_BENCH_SLOWDOWN=F (test hook, read by `imgtrain benchmark`)
-makes every timed step F x slower, to check that a regression is caught.
+makes every timed step F x slower, to check that a regression is caught. With --keep-going a
+failed command is recorded (`errors` in the record) and the rest still run; --deadline stops
+starting commands after that many seconds and keeps what was measured (the GPU check's budget).
 """
 import argparse
 import json
@@ -41,11 +49,24 @@ def result_json(text):
     raise RuntimeError('no --result in the output:\n' + text[-2000:])
 
 
-def run_cmd(cmd):
-    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+class SideFailed(RuntimeError):
+    pass
+
+
+def run_cmd(cmd, timeout=None):
+    try:
+        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise SideFailed('{} ran past the deadline ({:.0f} s left)'.format(' '.join(cmd[:2]), timeout))
     if p.returncode != 0:
-        raise RuntimeError('{} exited {}:\n{}'.format(' '.join(cmd), p.returncode, p.stdout[-3000:]))
-    return result_json(p.stdout)
+        print(p.stdout[-3000:], flush=True)
+        last = [l for l in p.stdout.splitlines() if l.strip()]
+        raise SideFailed('{} exited {}: {}'.format(os.path.basename(cmd[1] if cmd[0] == sys.executable else cmd[0]),
+                                                   p.returncode, last[-1][:300] if last else 'no output'))
+    try:
+        return result_json(p.stdout)
+    except (RuntimeError, ValueError) as e:
+        raise SideFailed(str(e))
 
 
 def cpu_name():
@@ -59,23 +80,87 @@ def cpu_name():
     return platform.processor() or 'unknown'
 
 
-def environment(imgtrain):
+def environment(imgtrain, device):
     version = subprocess.run([imgtrain, '--version'], stdout=subprocess.PIPE, text=True).stdout.strip()
-    commit = subprocess.run(['git', '-C', HERE, 'rev-parse', '--short', 'HEAD'], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True).stdout.strip()
+    commit = os.environ.get('GIT_COMMIT') or subprocess.run(
+        ['git', '-C', HERE, 'rev-parse', '--short', 'HEAD'], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        text=True).stdout.strip()
     import torch
+    name = 'cpu: ' + cpu_name()
+    if device.startswith('cuda') and torch.cuda.is_available():
+        name = 'cuda: ' + torch.cuda.get_device_name()
     return {'imgtrain_version': version, 'git_commit': commit or 'unknown', 'torch_version': torch.__version__,
-            'device': 'cpu: ' + cpu_name(), 'threads': torch.get_num_threads()}
+            'device': name, 'threads': torch.get_num_threads()}
 
 
 def arg_value(args, *names, default=None):
-    for i, a in enumerate(args):
+    value = default
+    for i, a in enumerate(args):  # the last occurrence wins, as in both command lines
         for n in names:
             if a == n and i + 1 < len(args):
-                return args[i + 1]
-            if a.startswith(n + '='):
-                return a.split('=', 1)[1]
-    return default
+                value = args[i + 1]
+            elif a.startswith(n + '='):
+                value = a.split('=', 1)[1]
+    return value
+
+
+# The sides an entry measures: (side, extra flags, runs timm's script, runs after every other side
+# of the round). imgtrain always; the others where the entry asks for them.
+def entry_sides(e):
+    sides = [('imgtrain', [], False, False)]
+    if e.get('cuda_graph'):
+        sides.append(('graph', ['--cuda-graph'], False, False))
+    if e.get('reference') == 'timm':
+        sides.append(('reference', [], True, False))
+    if e.get('compiled'):  # timm under torch.compile: its compilation is slow, so last in a round
+        sides.append(('compiled', ['--torchcompile'], True, True))
+    return sides
+
+
+def entry_args(e, opts):
+    return shlex.split(e['args']) + shlex.split(opts.extra_args or '')
+
+
+def make_records(entries, samples, extras, errors, env, opts):
+    records = []
+    for e in entries:
+        args = entry_args(e, opts)
+        bench = arg_value(args, '--bench', default='both')
+        for mode in {'train': ('train',), 'inference': ('infer',), 'infer': ('infer',)}.get(bench, MODES):
+            ours = samples.get((e['name'], mode, 'imgtrain'))
+            errs = {s: m for (n, s), m in errors.items() if n == e['name']}
+            if not ours and not errs:
+                continue
+            rec = {'name': e['name'], 'mode': mode, 'model': arg_value(args, '--model')}
+            if ours:
+                rec.update({'samples_per_sec': round(statistics.median(ours), 3),
+                            'spread': [round(min(ours), 3), round(max(ours), 3)], 'repeats': len(ours)})
+            ref = samples.get((e['name'], mode, 'reference'))
+            if ref:
+                rec['reference'] = e['reference']
+                rec['reference_samples_per_sec'] = round(statistics.median(ref), 3)
+                if ours and len(ours) == len(ref):
+                    # the median of each round's ratio: the two sides of a round ran back to back
+                    rec['ratio'] = round(statistics.median(o / r for o, r in zip(ours, ref)), 4)
+            graph = samples.get((e['name'], mode, 'graph'))
+            if graph:
+                rec['graph_samples_per_sec'] = round(statistics.median(graph), 3)
+            comp = samples.get((e['name'], mode, 'compiled'))
+            if comp:
+                rec['compiled_samples_per_sec'] = round(statistics.median(comp), 3)
+                best = max(rec.get('samples_per_sec', 0), rec.get('graph_samples_per_sec', 0))
+                rec['ratio_best_to_compiled'] = round(best / rec['compiled_samples_per_sec'], 4)
+            for k, v in extras.get((e['name'], mode), {}).items():
+                rec[k] = v
+            if errs:
+                rec['errors'] = errs
+            rec.update({'batch_size': int(arg_value(args, '-b', '--batch-size', default=256)),
+                        'img_size': arg_value(args, '--img-size'), 'amp': '--amp' in args,
+                        'amp_dtype': arg_value(args, '--amp-dtype') if '--amp' in args else None,
+                        'channels_last': '--channels-last' in args, 'cuda_graph': bool(graph)})
+            rec.update(env)
+            records.append(rec)
+    return records
 
 
 def cmd_run(opts):
@@ -83,52 +168,110 @@ def cmd_run(opts):
     entries = suite.get('entries') if isinstance(suite, dict) else None
     if not entries:
         sys.exit('{}: no entries'.format(opts.suite))
+    if opts.only:
+        wanted = set(opts.only.replace(',', ' ').split())
+        entries = [e for e in entries if e['name'] in wanted or arg_value(shlex.split(e['args']), '--model') in wanted]
+        if not entries:
+            sys.exit('{}: no entry named {}'.format(opts.suite, opts.only))
+    device = opts.device or suite.get('device', 'cpu')
     imgtrain = opts.imgtrain or os.path.join(HERE, 'build', 'bin', 'imgtrain')
-    env = environment(imgtrain)
+    env = environment(imgtrain, device)
     samples = {}  # (name, mode, side) -> [samples/s per repeat]
+    extras = {}  # (name, mode) -> imgtrain's memory fields
+    errors = {}  # (name, side) -> the first failure
     start = time.time()
+    deadline = start + opts.deadline if opts.deadline else None
+
+    def write():
+        records = make_records(entries, samples, extras, errors, env, opts)
+        if opts.out:
+            with open(opts.out + '.tmp', 'w') as f:
+                f.write(json.dumps(records, indent=2) + '\n')
+            os.replace(opts.out + '.tmp', opts.out)
+        return records
+
     for r in range(opts.repeats):
+        late = []
         for e in entries:
-            args = shlex.split(e['args'])
-            sides = [('imgtrain', [imgtrain, 'benchmark', '--device', 'cpu'] + args)]
-            if e.get('reference') == 'timm':
-                sides.append(('reference', [sys.executable, os.path.join(HERE, 'bench', 'timm_benchmark.py')] + args))
+            sides = entry_sides(e)
+            now, after = [s for s in sides if not s[3]], [s for s in sides if s[3]]
             if r % 2:
-                sides.reverse()  # alternate which side runs first
-            for side, cmd in sides:
-                res = run_cmd(cmd)
-                for mode in MODES:
-                    v = res.get(mode + '_samples_per_sec')
-                    if v is not None:
-                        samples.setdefault((e['name'], mode, side), []).append(float(v))
+                now.reverse()  # alternate which side runs first
+            late += [(e, s) for s in after]
+            for side in now:
+                try:
+                    measure(e, side, device, imgtrain, samples, extras, errors, deadline, opts)
+                except SideFailed as err:
+                    sys.exit('ci_bench: {} {}: {}'.format(e['name'], side[0], err))
             print('round {}/{} {:<24s} done ({:.0f} s)'.format(r + 1, opts.repeats, e['name'], time.time() - start),
                   flush=True)
-    records = []
-    for e in entries:
-        args = shlex.split(e['args'])
-        for mode in MODES:
-            ours = samples.get((e['name'], mode, 'imgtrain'))
-            if not ours:
-                continue
-            rec = {'name': e['name'], 'mode': mode, 'model': arg_value(args, '--model'),
-                   'samples_per_sec': round(statistics.median(ours), 3),
-                   'spread': [round(min(ours), 3), round(max(ours), 3)], 'repeats': len(ours)}
-            ref = samples.get((e['name'], mode, 'reference'))
-            if ref:
-                rec['reference'] = e['reference']
-                rec['reference_samples_per_sec'] = round(statistics.median(ref), 3)
-                # the median of each round's ratio: the two sides of a round ran back to back
-                rec['ratio'] = round(statistics.median(o / r for o, r in zip(ours, ref)), 4)
-            rec.update({'batch_size': int(arg_value(args, '-b', '--batch-size', default=256)),
-                        'img_size': arg_value(args, '--img-size'), 'amp': '--amp' in args,
-                        'channels_last': '--channels-last' in args})
-            rec.update(env)
-            records.append(rec)
-    text = json.dumps(records, indent=2)
-    if opts.out:
-        with open(opts.out, 'w') as f:
-            f.write(text + '\n')
-    print(text)
+            write()
+        for e, side in late:
+            try:
+                measure(e, side, device, imgtrain, samples, extras, errors, deadline, opts)
+            except SideFailed as err:
+                sys.exit('ci_bench: {} {}: {}'.format(e['name'], side[0], err))
+            write()
+    records = write()
+    print(json.dumps(records, indent=2))
+    if errors and not opts.keep_going:
+        sys.exit(1)
+
+
+def measure(e, side, device, imgtrain, samples, extras, errors, deadline, opts):
+    name, flags, timm, _ = side
+    if (e['name'], name) in errors:
+        return  # failed in an earlier round: not again
+    left = None
+    if deadline:
+        left = deadline - time.time()
+        if left < 5:
+            errors[(e['name'], name)] = 'not run: the deadline ({} s) had passed'.format(opts.deadline)
+            return
+    base = [sys.executable, os.path.join(HERE, 'bench', 'timm_benchmark.py')] if timm else [imgtrain, 'benchmark']
+    cmd = base + ['--device', device] + entry_args(e, opts) + flags
+    try:
+        res = run_cmd(cmd, timeout=left)
+    except SideFailed as err:
+        if not opts.keep_going:
+            raise
+        errors[(e['name'], name)] = str(err)
+        print('{} {}: FAILED: {}'.format(e['name'], name, err), flush=True)
+        return
+    for mode in MODES:
+        v = res.get(mode + '_samples_per_sec')
+        if v is not None:
+            samples.setdefault((e['name'], mode, name), []).append(float(v))
+        if name == 'imgtrain':
+            for k in ('max_allocated_mb', 'max_reserved_mb'):
+                if mode + '_' + k in res:
+                    extras.setdefault((e['name'], mode), {})[k] = res[mode + '_' + k]
+
+
+def fmt(v, digits=1):
+    return '{:.{}f}'.format(v, digits) if isinstance(v, (int, float)) else (v if v else '-')
+
+
+def cmd_table(opts):
+    records = json.load(open(opts.results))
+    print('| entry | mode | imgtrain /s | imgtrain --cuda-graph /s | timm eager /s | timm compiled /s | '
+          'imgtrain / eager | best imgtrain / compiled | imgtrain max alloc MB |')
+    print('| --- | --- | --- | --- | --- | --- | --- | --- | --- |')
+    for r in records:
+        errs = r.get('errors', {})
+
+        def cell(key, side, digits=1):
+            return fmt(r.get(key), digits) if key in r else ('failed' if side in errs else '-')
+        print('| {} | {} | {} | {} | {} | {} | {} | {} | {} |'.format(
+            r['name'], r['mode'], cell('samples_per_sec', 'imgtrain'), cell('graph_samples_per_sec', 'graph'),
+            cell('reference_samples_per_sec', 'reference'), cell('compiled_samples_per_sec', 'compiled'),
+            fmt(r.get('ratio'), 3), fmt(r.get('ratio_best_to_compiled'), 3), fmt(r.get('max_allocated_mb'), 0)))
+    failures = {}
+    for r in records:
+        for side, msg in r.get('errors', {}).items():
+            failures[(r['name'], side)] = msg
+    for (name, side), msg in failures.items():
+        print('\n- {} {}: {}'.format(name, side, msg))
 
 
 def cmd_compare(opts):
@@ -167,12 +310,19 @@ def main():
     r.add_argument('--repeats', type=int, default=3)
     r.add_argument('--out')
     r.add_argument('--imgtrain')
+    r.add_argument('--device', help="the device of every command (default: the suite's `device`, else cpu)")
+    r.add_argument('--only', help='entries (names or models, comma- or space-separated) to run')
+    r.add_argument('--extra-args', help='flags appended to every command (the last of a repeated flag wins)')
+    r.add_argument('--deadline', type=float, help='seconds: no command starts after this, records so far are kept')
+    r.add_argument('--keep-going', action='store_true', help='record a failed command and go on (exit 0)')
+    t = sub.add_parser('table')
+    t.add_argument('results')
     c = sub.add_parser('compare')
     c.add_argument('baseline')
     c.add_argument('now')
     c.add_argument('--threshold', type=float, default=0.90)
     opts = p.parse_args()
-    (cmd_run if opts.cmd == 'run' else cmd_compare)(opts)
+    {'run': cmd_run, 'compare': cmd_compare, 'table': cmd_table}[opts.cmd](opts)
 
 
 if __name__ == '__main__':

@@ -12,11 +12,13 @@
 #   scripts/gpu_check.sh [run]     on the GPU machine (carry .gpu-bundle): build, test, benchmark
 #
 # Knobs (environment): PYTHON (python3: the one with torch, timm, torchvision), OUT, JOBS (all
-# cores), ARCH (TORCH_CUDA_ARCH_LIST; default: the GPU's own), MODELS (the benchmark list), BATCH
-# (256), STEPS (30 timed steps per benchmark), COMPILE (models also timed under torch.compile in
-# timm; default resnet50), SKIP_BUILD=1 (reuse build-gpu/), DEADLINE (540 s: later steps are
-# reported as not run), GIT_COMMIT (the commit to name; .git may not travel); for a dry run of the script's later
-# stages on a CPU machine: DEVICE=cpu TRAIN_MODEL=resnet18 TRAIN_SIZE=64 BATCH=2 STEPS=2.
+# cores), ARCH (TORCH_CUDA_ARCH_LIST; default: the GPU's own), SUITE (bench/suites/gpu.yaml: what
+# is benchmarked), ONLY (entries of it, e.g. "resnet50 efficientnet_b0"), BENCH_ARGS (flags added
+# to every benchmark command, e.g. "-b 128"), REPEATS (1 round), SKIP_BUILD=1 (reuse build-gpu/),
+# DEADLINE (540 s: later steps are reported as not run), GIT_COMMIT (the commit to name, also in
+# the benchmark records; .git may not travel); for a dry run of the script's later stages on a CPU machine: DEVICE=cpu
+# TRAIN_MODEL=resnet18 TRAIN_SIZE=64 ONLY=resnet50 BENCH_ARGS="-b 2 --img-size 64 --num-warm-iter 1
+# --num-bench-iter 2".
 set -uo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$here"
@@ -141,10 +143,11 @@ step() {
   return $rc
 }
 
+export GIT_COMMIT=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 {
   echo "# imgtrain GPU check"
   echo
-  echo "- commit ${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}, $(date -u +%FT%TZ)"
+  echo "- commit $GIT_COMMIT, $(date -u +%FT%TZ)"
   echo "- nvcc: $(command -v nvcc || echo none); toolkit headers: $(ls /usr/local/cuda/include 2>/dev/null | grep -E '^(nccl|cudnn)\.h$' | tr '\n' ' ')"
   echo "- GPU: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -1)"
   echo "- torch: $("$PYTHON" -c 'import torch; print(torch.__version__, "CUDA", torch.version.cuda)' 2>&1 | tail -1)," \
@@ -200,46 +203,27 @@ step "resume the fp16 run for one more epoch" build-gpu/bin/imgtrain train "${tr
   --experiment fp16 --resume auto --epochs 2
 grep -h -E "Train: |Test: |samples/s|error|warning" "$work"/runs/*/log.txt 2>/dev/null | tail -12 | sed 's/^/    /' >>"$report"
 
-# imgtrain against timm on the same GPU: training step, then inference, side by side, alternating.
-MODELS=${MODELS:-resnet50 mobilenetv3_large_100 efficientnet_b0 vit_base_patch16_224}
-COMPILE=${COMPILE:-resnet50}
-BATCH=${BATCH:-256}
-STEPS=${STEPS:-30}
+# imgtrain against timm on the same GPU, driven by the benchmark suite file (bench/suites/gpu.yaml,
+# the same bench/ci_bench.py that runs the CPU suite of .ci/bench): per entry imgtrain, imgtrain
+# --cuda-graph, timm eager, then timm compiled at the end of the round. The records land in
+# $OUT/gpu_bench.json as they are measured; a command that fails or is cut by the deadline is a
+# "failed" cell and the rest still run.
+SUITE=${SUITE:-bench/suites/gpu.yaml}
+REPEATS=${REPEATS:-1}
 {
   echo
-  echo "## Throughput: imgtrain against timm (batch $BATCH, 224 px, AMP bf16, channels-last, $STEPS timed steps)"
+  echo "## Throughput: imgtrain against timm ($SUITE${ONLY:+, only $ONLY}${BENCH_ARGS:+, with $BENCH_ARGS}, $REPEATS round(s))"
   echo
-  echo "| model | mode | imgtrain /s | imgtrain --cuda-graph /s | timm eager /s | timm compiled /s | imgtrain / eager | best imgtrain / compiled | imgtrain max alloc MB |"
-  echo "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"
 } >>"$report"
-field() { "$PYTHON" -c "import json,sys; t=open(sys.argv[1]).read(); j=json.loads(t[t.index('{'):]); print(j.get(sys.argv[2], ''))" "$1" "$2" 2>/dev/null; }
-common=(--bench both -b "$BATCH" --img-size 224 --amp --amp-dtype bfloat16 --channels-last --num-warm-iter 10 --num-bench-iter "$STEPS")
-row() {  # the table rows of model $1 from its result files
-  local m=$1 mode a g b c r1 r2
-  local ours=$work/bench_${m}_imgtrain.json eager=$work/bench_${m}_timm.json comp=$work/bench_${m}_timm_compile.json
-  local graph=$work/bench_${m}_imgtrain_graph.json
-  for mode in train infer; do
-    a=$(field "$ours" ${mode}_samples_per_sec); g=$(field "$graph" ${mode}_samples_per_sec)
-    b=$(field "$eager" ${mode}_samples_per_sec); c=$(field "$comp" ${mode}_samples_per_sec)
-    r1=$("$PYTHON" -c "print(f'{${a:-0}/$b:.3f}')" 2>/dev/null)
-    r2=$("$PYTHON" -c "print(f'{max(${a:-0}, ${g:-0})/$c:.3f}')" 2>/dev/null)
-    echo "| $m | $mode | ${a:-failed} | ${g:-failed} | ${b:-failed} | ${c:--} | ${r1:--} | ${r2:--} | $(field "$ours" ${mode}_max_allocated_mb) |"
-  done
-}
-rm -f "$work"/bench_*.json  # no stale numbers from an earlier run
-for m in $MODELS; do
-  ours=$work/bench_${m}_imgtrain.json; eager=$work/bench_${m}_timm.json; graph=$work/bench_${m}_imgtrain_graph.json
-  quiet_step "$m: imgtrain" bash -o pipefail -c "build-gpu/bin/imgtrain benchmark --model $m --device $DEVICE ${common[*]} | tee -a $log.bench | sed -n '/--result/,\$p' | tail -n +2 >$ours"
-  quiet_step "$m: imgtrain --cuda-graph" bash -o pipefail -c "build-gpu/bin/imgtrain benchmark --model $m --device $DEVICE --cuda-graph ${common[*]} | tee -a $log.bench | sed -n '/--result/,\$p' | tail -n +2 >$graph"
-  quiet_step "$m: timm eager" bash -o pipefail -c "$PYTHON bench/timm_benchmark.py --model $m --device $DEVICE ${common[*]} | tee -a $log.bench | sed -n '/--result/,\$p' | tail -n +2 >$eager"
-done
-# torch.compile last: its compilation is the slowest part and must not cost the eager rows
-for m in $COMPILE; do
-  comp=$work/bench_${m}_timm_compile.json
-  quiet_step "$m: timm torch.compile" bash -o pipefail -c "$PYTHON bench/timm_benchmark.py --model $m --device $DEVICE --torchcompile ${common[*]} | tee -a $log.bench | sed -n '/--result/,\$p' | tail -n +2 >$comp"
-done
-for m in $MODELS; do row "$m" >>"$report"; done
-[[ -f $log.bench ]] && { echo "=== benchmark output"; cat "$log.bench"; } >>"$log" && rm -f "$log.bench"
+bench_left=$(( DEADLINE - ($(date +%s) - start) - 15 ))
+quiet_step "benchmark suite" "$PYTHON" bench/ci_bench.py run --suite "$SUITE" --device "$DEVICE" --repeats "$REPEATS" \
+  --imgtrain build-gpu/bin/imgtrain --keep-going --deadline "$bench_left" ${ONLY:+--only "$ONLY"} \
+  ${BENCH_ARGS:+--extra-args "$BENCH_ARGS"} --out "$OUT/gpu_bench.json"
+if [[ -s $OUT/gpu_bench.json ]]; then
+  "$PYTHON" bench/ci_bench.py table "$OUT/gpu_bench.json" >>"$report" 2>>"$log" || note "- (no table: see gpu_check.log)"
+else
+  note "- benchmark suite: no records (see gpu_check.log)"
+fi
 note ""
 note "Total: $(elapsed). Commands and full output: gpu_check.log."
 cat "$report"

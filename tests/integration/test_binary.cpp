@@ -568,6 +568,39 @@ TEST_CASE("the CI benchmark job: a suite's records, and a staged slowdown fails 
   INFO(cmp.output);
   CHECK(cmp.code == 1);
   CHECK_THAT(cmp.output, Catch::Contains("FAILED") && Catch::Contains("resnet18-tiny train"));
+  // the GPU check's way of running a suite: every side a command of its own; with --keep-going a
+  // failing side (here --cuda-graph on the CPU, and a model that does not exist) is a recorded
+  // error and a "failed" cell of the table while the rest is measured; without it, exit 1 naming it
+  test::write_file(out / "suite.yaml",
+                   "device: cpu\nentries:\n"
+                   "  - name: tiny\n    args: --model resnet18 --bench inference -b 2 --img-size 32 "
+                   "--num-warm-iter 0 --num-bench-iter 2\n    reference: timm\n    cuda_graph: true\n"
+                   "  - name: missing\n    args: --model no_such_net --bench inference -b 2 --img-size 32\n"
+                   "  - name: skipped\n    args: --model resnet18 --bench inference -b 2 --img-size 32\n");
+  const std::string run2 = tool + " run --suite " + (out / "suite.yaml") + " --repeats 1 --imgtrain " + kBin +
+                           " --only tiny,missing --extra-args '--num-bench-iter 3'";
+  auto kept = test::run(run2 + " --keep-going --out " + (out / "kept.json"));
+  INFO(kept.output);
+  REQUIRE(kept.code == 0);
+  const auto k = nlohmann::json::parse(test::read_file(out / "kept.json"));
+  REQUIRE(k.size() == 2);  // tiny and missing, inference only; "skipped" is not in --only
+  CHECK(k[0]["name"] == "tiny");
+  CHECK(k[0]["mode"] == "infer");
+  CHECK(k[0]["samples_per_sec"].get<double>() > 0);
+  CHECK(k[0]["ratio"].get<double>() > 0);
+  CHECK_THAT(k[0]["errors"]["graph"].get<std::string>(), Catch::Contains("--cuda-graph needs a CUDA device"));
+  CHECK(k[1]["name"] == "missing");
+  CHECK_FALSE(k[1].contains("samples_per_sec"));
+  CHECK(k[1]["errors"].contains("imgtrain"));
+  auto table = test::run(tool + " table " + (out / "kept.json"));
+  INFO(table.output);
+  CHECK(table.code == 0);
+  CHECK(std::regex_search(table.output, std::regex(R"(\| tiny \| infer \| [0-9.]+ \| failed \| [0-9.]+ \| - \|)")));
+  CHECK(std::regex_search(table.output, std::regex(R"(\| missing \| infer \| failed \|)")));
+  auto stop = test::run(run2 + " --out " + (out / "stop.json"));
+  INFO(stop.output);
+  CHECK(stop.code == 1);
+  CHECK_THAT(stop.output, Catch::Contains("ci_bench: tiny graph: imgtrain exited 2"));
   expect_user_error(test::run("IMGTRAIN_BENCH_SLOWDOWN=abc " + kBin +
                               " benchmark --device cpu --model resnet18 --bench train -b 2 --img-size 32 "
                               "--num-warm-iter 0 --num-bench-iter 1"),
