@@ -177,10 +177,11 @@ struct DepthwiseSeparableImpl : torch::nn::Module {
   }
   at::Tensor forward(at::Tensor x) {
     auto shortcut = x;
-    x = apply_act(bn1(conv_dw(x)), act, true);
+    x = conv_bn_act(*conv_dw, *bn1, x, act);
     if (se) x = se(x);
-    x = bn2(conv_pw(x));
-    return has_skip ? drop_path(x, dpr, is_training()).add_(shortcut) : x;
+    if (!has_skip) return conv_bn_act(*conv_pw, *bn2, x);
+    if (dpr > 0 && is_training()) return drop_path(conv_bn_act(*conv_pw, *bn2, x), dpr, true).add_(shortcut);
+    return conv_bn_act(*conv_pw, *bn2, x, Act::Identity, shortcut);
   }
 };
 
@@ -204,11 +205,12 @@ struct InvertedResidualImpl : torch::nn::Module {
   }
   at::Tensor forward(at::Tensor x) {
     auto shortcut = x;
-    x = apply_act(bn1(conv_pw(x)), act, true);
-    x = apply_act(bn2(conv_dw(x)), act, true);
+    x = conv_bn_act(*conv_pw, *bn1, x, act);
+    x = conv_bn_act(*conv_dw, *bn2, x, act);
     if (se) x = se(x);
-    x = bn3(conv_pwl(x));
-    return has_skip ? drop_path(x, dpr, is_training()).add_(shortcut) : x;
+    if (!has_skip) return conv_bn_act(*conv_pwl, *bn3, x);
+    if (dpr > 0 && is_training()) return drop_path(conv_bn_act(*conv_pwl, *bn3, x), dpr, true).add_(shortcut);
+    return conv_bn_act(*conv_pwl, *bn3, x, Act::Identity, shortcut);
   }
 };
 
@@ -295,10 +297,10 @@ class EfficientNetImpl : public ClassifierImpl {
   }
 
   at::Tensor forward_features(const at::Tensor& in) override {
-    auto x = apply_act(bn1_(conv_stem_(in)), act_, true);
+    auto x = conv_bn_act(*conv_stem_, *bn1_, in, act_);
     for (auto& stage : stages_)
       for (auto& b : stage) x = b(x);
-    if (bn2_) x = apply_act(bn2_(conv_head_(x)), act_, true);
+    if (bn2_) x = conv_bn_act(*conv_head_, *bn2_, x, act_);
     return x;
   }
   at::Tensor forward_head(const at::Tensor& in, bool pre_logits) override {
@@ -322,7 +324,7 @@ class EfficientNetImpl : public ClassifierImpl {
     auto want = [&](int64_t level) { return std::find(indices.begin(), indices.end(), level) != indices.end(); };
     const int64_t last = indices.empty() ? -1 : *std::max_element(indices.begin(), indices.end());
     std::vector<at::Tensor> out;
-    auto x = apply_act(bn1_(conv_stem_(in)), act_, true);
+    auto x = conv_bn_act(*conv_stem_, *bn1_, in, act_);
     if (feature_info_[0].module == "bn1" && want(0)) out.push_back(x);
     for (size_t si = 0; si < stages_.size(); ++si) {
       for (auto& b : stages_[si]) x = b(x);

@@ -43,6 +43,16 @@ Conv2d conv(int64_t in, int64_t out, int64_t k, int64_t stride = 1, int64_t pad 
   return Conv2d(Conv2dOptions(in, out, k).stride(stride).padding(pad).bias(false));
 }
 
+// timm's downsample (conv, norm; or pool / identity, conv, norm) through conv_bn_act, so that it
+// fuses with the rest; x itself without one.
+at::Tensor forward_downsample(const torch::nn::Sequential& ds, const at::Tensor& x) {
+  if (!ds) return x;
+  const size_t n = ds->size();
+  auto in = x;
+  if (auto* pool = n == 3 ? ds->ptr(0)->as<torch::nn::AvgPool2dImpl>() : nullptr) in = pool->forward(x);
+  return conv_bn_act(*ds->ptr(n - 2)->as<torch::nn::Conv2dImpl>(), *ds->ptr(n - 1)->as<imgtrain::BatchNorm2dImpl>(), in);
+}
+
 struct BlockImpl : torch::nn::Module {
   virtual at::Tensor forward(at::Tensor x) = 0;
   virtual void zero_init_last() = 0;
@@ -64,12 +74,13 @@ struct BasicBlockImpl : BlockImpl {
     if (ds) downsample = register_module("downsample", ds);
   }
   at::Tensor forward(at::Tensor x) override {
-    auto shortcut = x;
-    x = bn1(conv1(x)).relu_();  // in place, as timm's act layers (inplace=True)
-    x = bn2(conv2(x));
-    x = drop_path(x, drop_path_rate, is_training());
-    if (downsample) shortcut = downsample->forward(shortcut);
-    return x.add_(shortcut).relu_();
+    auto shortcut = forward_downsample(downsample, x);
+    x = conv_bn_act(*conv1, *bn1, x, Act::ReLU);  // ReLU in place, as timm's act layers (inplace=True)
+    if (drop_path_rate > 0 && is_training()) {
+      x = drop_path(conv_bn_act(*conv2, *bn2, x), drop_path_rate, true);
+      return x.add_(shortcut).relu_();
+    }
+    return conv_bn_act(*conv2, *bn2, x, Act::ReLU, shortcut);
   }
   void zero_init_last() override { torch::nn::init::zeros_(bn2->weight); }
 };
@@ -94,13 +105,14 @@ struct BottleneckImpl : BlockImpl {
     if (ds) downsample = register_module("downsample", ds);
   }
   at::Tensor forward(at::Tensor x) override {
-    auto shortcut = x;
-    x = bn1(conv1(x)).relu_();
-    x = bn2(conv2(x)).relu_();
-    x = bn3(conv3(x));
-    x = drop_path(x, drop_path_rate, is_training());
-    if (downsample) shortcut = downsample->forward(shortcut);
-    return x.add_(shortcut).relu_();
+    auto shortcut = forward_downsample(downsample, x);
+    x = conv_bn_act(*conv1, *bn1, x, Act::ReLU);
+    x = conv_bn_act(*conv2, *bn2, x, Act::ReLU);
+    if (drop_path_rate > 0 && is_training()) {
+      x = drop_path(conv_bn_act(*conv3, *bn3, x), drop_path_rate, true);
+      return x.add_(shortcut).relu_();
+    }
+    return conv_bn_act(*conv3, *bn3, x, Act::ReLU, shortcut);
   }
   void zero_init_last() override { torch::nn::init::zeros_(bn3->weight); }
 };
@@ -172,8 +184,17 @@ class ResNetImpl : public ClassifierImpl {
     init_weights();
   }
 
+  at::Tensor stem(const at::Tensor& in) {
+    if (!stem_) return conv_bn_act(*conv1_, *bn1_, in, Act::ReLU);
+    // the deep stem (conv, bn, relu, conv, bn, relu, conv) and bn1
+    auto conv_at = [&](size_t i) -> torch::nn::Conv2dImpl& { return *stem_->ptr(i)->as<torch::nn::Conv2dImpl>(); };
+    auto bn_at = [&](size_t i) -> imgtrain::BatchNorm2dImpl& { return *stem_->ptr(i)->as<imgtrain::BatchNorm2dImpl>(); };
+    auto x = conv_bn_act(conv_at(0), bn_at(1), in, Act::ReLU);
+    x = conv_bn_act(conv_at(3), bn_at(4), x, Act::ReLU);
+    return conv_bn_act(conv_at(6), *bn1_, x, Act::ReLU);
+  }
   at::Tensor forward_features(const at::Tensor& in) override {
-    auto x = bn1_(stem_ ? stem_->forward(in) : conv1_(in)).relu_();
+    auto x = stem(in);
     x = torch::max_pool2d(x, 3, 2, 1);
     for (auto& s : stages_) x = s->forward(x);
     return x;
@@ -186,7 +207,7 @@ class ResNetImpl : public ClassifierImpl {
     std::vector<at::Tensor> out;
     auto want = [&](int64_t level) { return std::find(indices.begin(), indices.end(), level) != indices.end(); };
     const int64_t last = indices.empty() ? -1 : *std::max_element(indices.begin(), indices.end());
-    auto x = bn1_(stem_ ? stem_->forward(in) : conv1_(in)).relu_();
+    auto x = stem(in);
     if (want(0)) out.push_back(x);
     x = torch::max_pool2d(x, 3, 2, 1);
     for (int64_t i = 0; i < int64_t(stages_.size()) && i + 1 <= last; ++i) {

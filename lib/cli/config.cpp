@@ -249,6 +249,11 @@ const std::vector<Flag>& flags() {
       {"cuda-graph", "", &Config::cuda_graph,
        "Capture the benchmarked step in a CUDA graph after warm-up and replay it (torch.compile's reduce-overhead)",
        BENCH},
+      {"fuse-bn", "", &Config::fuse_bn,
+       "Inference: fold each BatchNorm into the convolution before it (float32, no autocast); on the CPU the bias, "
+       "residual add and activation run as oneDNN post-ops. benchmark: on unless --fuse-bn=false; validate: off "
+       "unless given (outputs then differ from timm's by float rounding)",
+       VALIDATE | BENCH},
       {"profile", "", &Config::profile,
        "Print where the timed steps go: forward / backward / optimizer and the ops with the most self time "
        "(host time of each op call; on CUDA that is launch time, use Nsight for kernels)",
@@ -595,8 +600,12 @@ void check_effective(Command cmd, const Config& c) {
   const bool data_bench = c.bench == "data" || c.bench == "data-eval";
   if (cmd == Command::Benchmark && data_bench)
     refuse({"model", "device", "amp", "amp-dtype", "channels-last", "num-classes", "gp", "opt", "opt-impl", "profile", "cuda-graph",
-            "nproc-per-node"},
+            "fuse-bn", "nproc-per-node"},
            fmt::format("with --bench {} (it measures the input pipeline alone, on the CPU)", c.bench));
+  if (cmd == Command::Benchmark && c.bench == "train")
+    refuse({"fuse-bn"}, "with --bench train (BatchNorm is folded for inference only)");
+  if (c.amp && c.fuse_bn)
+    refuse({"fuse-bn"}, "with --amp (the folded convolutions run in float32; autocast picks the kernels)");
   if (cmd == Command::Benchmark && c.bench == "data")
     refuse({"crop-pct", "interpolation", "crop-mode", "fast-decode"},
            "with --bench data (the training pipeline; --bench data-eval measures the eval one)");

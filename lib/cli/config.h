@@ -136,6 +136,7 @@ struct Config {
   std::string bench = "both";
   bool profile = false;
   bool cuda_graph = false;
+  bool fuse_bn = false;  // benchmark: on unless --fuse-bn=false is given (fuse_bn_for)
   int64_t num_warm_iter = 10;
   int64_t num_bench_iter = 40;
   bool channels_last = false;

@@ -44,7 +44,25 @@ class BatchNorm2dImpl : public torch::nn::BatchNorm2dImpl {
   std::shared_ptr<SyncBatchNormHook> sync;
   bool frozen = false;
   double frozen_eps = 1e-5;
+  // Inference fusion (set_inference_fusion): eval-mode forwards without autograd that go through
+  // model_zoo's conv_bn_act fold this BatchNorm into the convolution before it. The folded
+  // convolution weights are cached here on first use and dropped by set_inference_fusion, so the
+  // model's weights must not change while it is on.
+  bool fuse_inference = false;
+  at::Tensor folded_weight, folded_bias;
 };
 TORCH_MODULE(BatchNorm2d);
+
+// Turns inference fusion on or off for every BatchNorm2d of `model` and drops the folded caches
+// (validate --fuse-bn, benchmark's inference). Training-mode forwards and forwards that record
+// autograd never fuse, so a model can be trained after this without effect on the gradients.
+inline void set_inference_fusion(torch::nn::Module& model, bool on) {
+  for (auto& m : model.modules(/*include_self=*/true))
+    if (auto* bn = dynamic_cast<BatchNorm2dImpl*>(m.get())) {
+      bn->fuse_inference = on;
+      bn->folded_weight = at::Tensor();
+      bn->folded_bias = at::Tensor();
+    }
+}
 
 }  // namespace imgtrain

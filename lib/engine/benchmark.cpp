@@ -1,3 +1,4 @@
+#include "core/batch_norm.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "data/loader.h"
@@ -362,6 +363,9 @@ int benchmark_detection(const cli::Config& cfg, torch::Device device) {
     params = model_zoo::count_params(*model);
     model->to(device);
     model->train(train);
+    const bool fuse = !train && !amp.enabled && (cfg.was_given("fuse-bn") ? cfg.fuse_bn : true);
+    set_inference_fusion(*model, fuse);
+    if (!train) results["infer_fuse_bn"] = fuse;
     auto opt = train ? bench_optimizer(*model, cfg) : nullptr;
     log::info("Running {} benchmark on {} for {} steps w/ input size (3, {}, {}) and batch size {}.",
               train ? "train" : "inference", cfg.model, cfg.num_bench_iter, img, img, b);
@@ -412,6 +416,8 @@ int benchmark(const cli::Config& cfg) {
   bench_slowdown();  // a malformed test hook is refused before anything runs
   if (cfg.bench == "data" || cfg.bench == "data-eval") return benchmark_data(cfg);
   if (model_zoo::model_task(cfg.model) == "detection") {
+    if (cfg.was_given("fuse-bn"))
+      throw UserError("--fuse-bn: applies to classifiers (a detector's backbone uses FrozenBatchNorm); leave it out");
     if (cfg.cuda_graph)
       throw UserError("--cuda-graph: a detector's shapes change with every image (proposals, detections), so its "
                       "step cannot be captured; leave --cuda-graph out");

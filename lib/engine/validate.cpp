@@ -1,5 +1,6 @@
 // `imgtrain validate`: timm's validate.py for one checkpoint (or pretrained weights) over one split.
 #include "cli/config.h"
+#include "core/batch_norm.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "engine/checkpoint.h"
@@ -32,6 +33,7 @@ int validate(const cli::Config& cfg) {
     task.load_pretrained(*model);
   model->to(device);
   if (cfg.channels_last) to_channels_last(*model);
+  if (cfg.fuse_bn) set_inference_fusion(*model, true);
   const int64_t params = model_zoo::count_params(*model);
   log::info("Model {} created, param count: {}", setup.model_meta.arch, params);
 

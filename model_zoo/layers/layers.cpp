@@ -2,6 +2,8 @@
 
 #include "core/error.h"
 
+#include <ATen/autocast_mode.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -74,13 +76,123 @@ ConvImpl::ConvImpl(int64_t in, int64_t out, int64_t k, int64_t stride, int64_t g
     : torch::nn::Conv2dImpl(conv_options(in, out, k, stride, groups, bias, pad_type, dilation)),
       dynamic_same(pad_type == "same" && !static_same(k, stride, dilation)) {}
 
-at::Tensor ConvImpl::forward(const at::Tensor& x) {
-  if (!dynamic_same) return torch::nn::Conv2dImpl::forward(x);
+at::Tensor ConvImpl::pad_same(const at::Tensor& x) const {
+  if (!dynamic_same) return x;
   const auto& o = options;
   const int64_t ph = same_pad(x.size(2), o.kernel_size()->at(0), o.stride()->at(0), o.dilation()->at(0));
   const int64_t pw = same_pad(x.size(3), o.kernel_size()->at(1), o.stride()->at(1), o.dilation()->at(1));
-  auto padded = (ph || pw) ? torch::constant_pad_nd(x, {pw / 2, pw - pw / 2, ph / 2, ph - ph / 2}) : x;
-  return torch::nn::Conv2dImpl::forward(padded);
+  return (ph || pw) ? torch::constant_pad_nd(x, {pw / 2, pw - pw / 2, ph / 2, ph - ph / 2}) : x;
+}
+
+at::Tensor ConvImpl::forward(const at::Tensor& x) {
+  if (!dynamic_same) return torch::nn::Conv2dImpl::forward(x);
+  return torch::nn::Conv2dImpl::forward(pad_same(x));
+}
+
+namespace {
+// oneDNN's fused convolution ops (the ones torch.compile's CPU backend emits for conv + pointwise),
+// looked up once; absent from a LibTorch built without oneDNN, and then nothing is fused on the CPU.
+const std::optional<c10::OperatorHandle>& pointwise_op(bool binary) {
+  static const auto unary = c10::Dispatcher::singleton().findSchema({"mkldnn::_convolution_pointwise", ""});
+  static const auto bin = c10::Dispatcher::singleton().findSchema({"mkldnn::_convolution_pointwise", "binary"});
+  return binary ? bin : unary;
+}
+// The post-op of an activation: oneDNN's name, its scalars and algorithm; nullopt where oneDNN has
+// none (hard sigmoid), and the activation then runs after the convolution.
+struct PostOp {
+  std::string attr;
+  std::vector<double> scalars;
+  std::string algorithm;
+};
+std::optional<PostOp> post_op(Act a) {
+  switch (a) {
+    case Act::Identity: return PostOp{"none", {}, ""};
+    case Act::ReLU: return PostOp{"relu", {}, ""};
+    case Act::ReLU6: return PostOp{"hardtanh", {0.0, 6.0}, ""};
+    case Act::Swish: return PostOp{"swish", {}, ""};
+    case Act::HardSwish: return PostOp{"hardswish", {}, ""};
+    case Act::Sigmoid: return PostOp{"sigmoid", {}, ""};
+    case Act::GELU: return PostOp{"gelu", {}, "none"};
+    case Act::HardSigmoid: return std::nullopt;
+  }
+  return std::nullopt;
+}
+
+bool fusable(const torch::nn::Conv2dImpl& conv, const imgtrain::BatchNorm2dImpl& bn, const at::Tensor& x) {
+  if (!bn.fuse_inference || bn.is_training() || c10::GradMode::is_enabled()) return false;
+  if (x.scalar_type() != at::kFloat || x.dim() != 4 || at::autocast::is_autocast_enabled(x.device().type())) return false;
+  if (!std::holds_alternative<torch::ExpandingArray<2>>(conv.options.padding())) return false;
+  if (!std::holds_alternative<torch::enumtype::kZeros>(conv.options.padding_mode())) return false;
+  return bn.running_mean.defined() && bn.running_var.defined();
+}
+
+std::vector<int64_t> vec(const torch::ExpandingArray<2>& a) { return {a->at(0), a->at(1)}; }
+
+}  // namespace
+
+at::Tensor conv_bn_act(torch::nn::Conv2dImpl& conv, imgtrain::BatchNorm2dImpl& bn, const at::Tensor& x, Act act,
+                       const at::Tensor& residual) {
+  auto* zconv = dynamic_cast<ConvImpl*>(&conv);
+  if (!fusable(conv, bn, x)) {
+    auto y = bn.forward(zconv ? zconv->forward(x) : conv.forward(x));
+    if (residual.defined()) y.add_(residual);
+    return apply_act(y, act, true);
+  }
+  const auto& o = conv.options;
+  const auto padding = vec(std::get<torch::ExpandingArray<2>>(o.padding()));
+  const auto stride = vec(o.stride()), dilation = vec(o.dilation());
+  const auto input = zconv ? zconv->pad_same(x) : x;
+  const bool onednn = input.device().is_cpu() && pointwise_op(false) && pointwise_op(true);
+  if (!bn.folded_weight.defined()) {  // fold once: the caches live until set_inference_fusion
+    const double eps = bn.frozen ? bn.frozen_eps : bn.options.eps();
+    auto scale = (bn.running_var + eps).rsqrt();
+    if (bn.weight.defined()) scale = scale * bn.weight;
+    auto shift = -bn.running_mean * scale;
+    if (bn.bias.defined()) shift = shift + bn.bias;
+    if (conv.bias.defined()) shift = shift + conv.bias * scale;
+    // Dense weights: oneDNN reorders them per call as it does for torch's own convolution
+    // (a layout reordered once by mkldnn::_reorder_convolution_weight measured within noise).
+    bn.folded_weight = (conv.weight * scale.reshape({-1, 1, 1, 1})).contiguous(conv.weight.suggest_memory_format());
+    bn.folded_bias = shift.contiguous();
+  }
+  if (!onednn) {
+    auto y = at::conv2d(input, bn.folded_weight, bn.folded_bias, stride, padding, dilation, o.groups());
+    if (residual.defined()) y.add_(residual);
+    return apply_act(y, act, true);
+  }
+  const auto post = post_op(act);
+  // oneDNN's fused add fails ("could not create a memory") when the maps are 1x1 (NCHW and NHWC
+  // then describe the same bytes): there the add and activation run after the convolution.
+  auto ambiguous = [](const at::Tensor& t) {
+    return t.is_contiguous() && t.is_contiguous(at::MemoryFormat::ChannelsLast);
+  };
+  if (residual.defined() && (ambiguous(input) || ambiguous(residual))) {
+    torch::jit::Stack st{input, bn.folded_weight, bn.folded_bias, padding, stride, dilation, o.groups(),
+                         std::string("none"), c10::List<std::optional<at::Scalar>>(), std::string()};
+    pointwise_op(false)->callBoxed(&st);
+    return apply_act(st[0].toTensor().add_(residual), act, true);
+  }
+  const bool act_fused = post && (!residual.defined() || act == Act::Identity || act == Act::ReLU);
+  const std::string attr = act_fused ? post->attr : "none";
+  c10::List<std::optional<at::Scalar>> scalars;
+  if (act_fused)
+    for (double v : post->scalars) scalars.push_back(at::Scalar(v));
+  const std::string algorithm = act_fused ? post->algorithm : "";
+  at::Tensor y;
+  if (residual.defined()) {
+    // other = residual, binary "add", then the unary post-op (oneDNN takes ReLU or none there)
+    torch::jit::Stack st{input, residual, bn.folded_weight, bn.folded_bias, padding, stride, dilation, o.groups(),
+                         std::string("add"), c10::IValue(), attr == "none" ? c10::IValue() : c10::IValue(attr),
+                         c10::List<std::optional<at::Scalar>>(), c10::IValue()};
+    pointwise_op(true)->callBoxed(&st);
+    y = st[0].toTensor();
+  } else {
+    torch::jit::Stack st{input, bn.folded_weight, bn.folded_bias, padding, stride, dilation, o.groups(), attr, scalars,
+                         algorithm};
+    pointwise_op(false)->callBoxed(&st);
+    y = st[0].toTensor();
+  }
+  return act_fused ? y : apply_act(y, act, true);
 }
 
 ConvBnActImpl::ConvBnActImpl(int64_t in, int64_t out, int64_t k, int64_t stride, Act act_, const std::string& pad_type,
@@ -92,7 +204,7 @@ ConvBnActImpl::ConvBnActImpl(int64_t in, int64_t out, int64_t k, int64_t stride,
 
 at::Tensor ConvBnActImpl::forward(at::Tensor x) {
   auto shortcut = x;
-  x = apply_act(bn1(conv(x)), act, true);
+  x = conv_bn_act(*conv, *bn1, x, act);
   return has_skip ? drop_path(x, dpr, is_training()).add_(shortcut) : x;
 }
 

@@ -39,9 +39,22 @@ struct ConvImpl : torch::nn::Conv2dImpl {
   ConvImpl(int64_t in, int64_t out, int64_t k, int64_t stride = 1, int64_t groups = 1, bool bias = false,
            const std::string& pad_type = "", int64_t dilation = 1);
   at::Tensor forward(const at::Tensor& x);
+  // The input padded as TF 'same' asks for this size (x itself when the padding is static).
+  at::Tensor pad_same(const at::Tensor& x) const;
   bool dynamic_same = false;
 };
 TORCH_MODULE(Conv);
+
+// act(bn(conv(x)) + residual), the residual optional (undefined): the one call through which the
+// zoo's blocks run a convolution followed by BatchNorm. Normally exactly the modules in sequence
+// (bitwise what the separate calls give). With inference fusion on (set_inference_fusion), in
+// eval mode without autograd, on float32 inputs outside autocast, the BatchNorm is folded into
+// the convolution (w * g / sqrt(var + eps), b - mean * g / sqrt(var + eps)) and on the CPU the
+// bias, residual add and activation run as oneDNN post-ops of the convolution (torch.compile's
+// CPU fusions): one pass over the output instead of three or four. Results then
+// differ from the unfused path by float rounding only (tests bound it).
+at::Tensor conv_bn_act(torch::nn::Conv2dImpl& conv, imgtrain::BatchNorm2dImpl& bn, const at::Tensor& x,
+                       Act act = Act::Identity, const at::Tensor& residual = {});
 
 // Convolution, BatchNorm, activation (timm's ConvBnAct block: modules conv, bn1), with a residual
 // when `skip` is asked and the shapes allow it.

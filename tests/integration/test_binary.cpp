@@ -77,6 +77,22 @@ TEST_CASE("trains far above chance, validates, resumes at the next epoch, loads 
                                              "img_size", "crop_pct", "interpolation"});
   CHECK(vrows[1][0] == "resnet18");
   CHECK(std::stod(vrows[1][1]) == Approx(top1).margin(1e-3));
+  // --fuse-bn (BatchNorm folded into the convolutions, oneDNN post-ops): the same accuracy up to
+  // an image whose two best logits are within float rounding of each other
+  for (const char* layout : {"", " --channels-last"}) {
+    auto vf = test::run(kBin + " validate --checkpoint " + run + "/last.safetensors --data-dir " + data +
+                        " --device cpu -b 100 --fuse-bn" + layout);
+    INFO(vf.output);
+    REQUIRE(vf.code == 0);
+    std::string vfo = vf.output;
+    REQUIRE(std::regex_search(vfo, m, std::regex("\"top1\": ([0-9.]+)")));
+    CHECK(std::stod(m[1]) == Approx(top1).margin(0.11));
+  }
+  expect_user_error(test::run(kBin + " validate --checkpoint " + run + "/last.safetensors --data-dir " + data +
+                              " --device cpu --fuse-bn --amp"),
+                    "--fuse-bn has no effect with --amp");
+  expect_user_error(test::run(kBin + " benchmark --device cpu --model resnet18 --bench train --fuse-bn"),
+                    "--fuse-bn has no effect with --bench train");
 
   // Resume: continues at epoch 3, not 0, and appends to the same summary.
   auto r2 = test::run(kBin + " train --data-dir " + data + kSmallArgs + " --epochs 4 --output " + out.path.string() +

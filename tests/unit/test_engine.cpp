@@ -1,5 +1,6 @@
 // The engine's seam: a task that is not classification trains through the one loop, and the
 // checkpoint format's owner round-trips every field.
+#include "core/batch_norm.h"
 #include "core/error.h"
 #include "data/dataset.h"
 #include "engine/checkpoint.h"
@@ -8,6 +9,7 @@
 #include "engine/evaluate.h"
 #include "engine/train_loop.h"
 #include "io/weights.h"
+#include "model_zoo/registry.h"
 #include "optim/optim.h"
 #include "core/rng.h"
 #include "tasks/classification/classification.h"
@@ -645,4 +647,86 @@ TEST_CASE("CUDA: a checkpoint keeps the device generator, so a resumed run draws
   REQUIRE(state);
   g.set_state(*state);
   CHECK(torch::equal(torch::rand({1000}, dev).cpu(), want.cpu()));
+}
+
+TEST_CASE("inference fusion: BatchNorm folded into the convolutions equals the modules within float rounding",
+          "[models]") {
+  // every block shape of the zoo's BatchNorm families: basic / bottleneck blocks with and without
+  // a downsample, avg-down + deep stem (resnet50d), depthwise-separable and inverted-residual
+  // blocks with SE and residual, ReLU / ReLU6 / Swish / hard-swish, TF 'same' padding
+  for (const char* name : {"resnet18", "resnet50d", "efficientnet_b0", "tf_efficientnet_b0", "mobilenetv3_large_100",
+                           "mobilenetv2_100"}) {
+    for (bool cl : {false, true}) {
+      INFO(name << (cl ? " channels-last" : " NCHW"));
+      torch::manual_seed(0);
+      ModelArgs a;
+      a.num_classes = 10;
+      auto m = model_zoo::create_model(name, a);
+      std::vector<BatchNorm2dImpl*> bns;
+      {
+        torch::NoGradGuard ng;  // statistics and affine far from the identity, so a wrong fold shows
+        for (auto& mod : m->modules())
+          if (auto* bn = dynamic_cast<BatchNorm2dImpl*>(mod.get())) {
+            bns.push_back(bn);
+            bn->running_mean.uniform_(-0.3, 0.3);
+            bn->running_var.uniform_(0.3, 2.0);
+            bn->weight.uniform_(0.5, 1.5);
+            bn->bias.uniform_(-0.3, 0.3);
+          }
+      }
+      m->eval();
+      if (cl) engine::to_channels_last(*m);
+      auto x = torch::randn({3, 3, 64, 64});
+      if (cl) x = x.contiguous(at::MemoryFormat::ChannelsLast);
+      torch::NoGradGuard ng;
+      const auto ref = m->forward(x);
+      set_inference_fusion(*m, true);
+      const auto y = m->forward(x);
+      size_t folded = 0;
+      for (auto* bn : bns) folded += bn->folded_weight.defined();
+      CHECK(folded == bns.size());
+      const double scale = ref.abs().max().item<double>();
+      CHECK((y - ref).abs().max().item<double>() <= 1e-4 * scale);
+      CHECK_FALSE(torch::equal(y, ref));  // the fused kernels did run
+      // another batch size
+      const auto y2 = m->forward(x.slice(0, 0, 2));
+      CHECK((y2 - ref.slice(0, 0, 2)).abs().max().item<double>() <= 1e-4 * scale);
+      // 32 px: the last stages' maps are 1x1, where NCHW and NHWC strides coincide
+      auto xs = torch::randn({2, 3, 32, 32});
+      if (cl) xs = xs.contiguous(at::MemoryFormat::ChannelsLast);
+      set_inference_fusion(*m, false);
+      const auto ref_s = m->forward(xs);
+      set_inference_fusion(*m, true);
+      CHECK((m->forward(xs) - ref_s).abs().max().item<double>() <= 1e-4 * ref_s.abs().max().item<double>());
+      {  // a forward that records autograd never fuses: bitwise the modules
+        torch::AutoGradMode on(true);
+        CHECK(torch::equal(m->forward(x), ref));
+      }
+      set_inference_fusion(*m, false);
+      CHECK(torch::equal(m->forward(x), ref));
+      for (auto* bn : bns) CHECK_FALSE(bn->folded_weight.defined());
+    }
+  }
+}
+
+TEST_CASE("inference fusion on does not change training: outputs, gradients and statistics bitwise", "[models]") {
+  auto run = [](bool fuse) {
+    torch::manual_seed(1);
+    ModelArgs a;
+    a.num_classes = 5;
+    a.drop_path_rate = 0.1;
+    auto m = model_zoo::create_model("resnet18", a);
+    set_inference_fusion(*m, fuse);
+    m->train();
+    auto x = torch::randn({4, 3, 32, 32});
+    auto y = m->forward(x);
+    y.square().sum().backward();
+    std::vector<at::Tensor> out{y.detach()};
+    for (auto& p : m->parameters()) out.push_back(p.grad().clone());
+    for (auto& b : m->buffers()) out.push_back(b.clone());
+    return out;
+  };
+  const auto plain = run(false), fused = run(true);
+  REQUIRE(plain.size() == fused.size());
+  for (size_t i = 0; i < plain.size(); ++i) CHECK(torch::equal(plain[i], fused[i]));
 }
