@@ -363,9 +363,6 @@ int benchmark_detection(const cli::Config& cfg, torch::Device device) {
     params = model_zoo::count_params(*model);
     model->to(device);
     model->train(train);
-    const bool fuse = !train && !amp.enabled && (cfg.was_given("fuse-bn") ? cfg.fuse_bn : true);
-    set_inference_fusion(*model, fuse);
-    if (!train) results["infer_fuse_bn"] = fuse;
     auto opt = train ? bench_optimizer(*model, cfg) : nullptr;
     log::info("Running {} benchmark on {} for {} steps w/ input size (3, {}, {}) and batch size {}.",
               train ? "train" : "inference", cfg.model, cfg.num_bench_iter, img, img, b);
@@ -469,6 +466,9 @@ int benchmark(const cli::Config& cfg) {
     auto x = torch::randn({b, margs.in_chans, img, img}, torch::TensorOptions().device(device));
     if (cfg.channels_last) x = x.contiguous(at::MemoryFormat::ChannelsLast);
     model->train(train);
+    const bool fuse = !train && !amp.enabled && (cfg.was_given("fuse-bn") ? cfg.fuse_bn : true);
+    set_inference_fusion(*model, fuse);
+    if (!train) results["infer_fuse_bn"] = fuse;
     auto opt = train ? bench_optimizer(*model, cfg) : nullptr;
     const char* what = train ? "train" : "inference";
     log::info("Running {} benchmark on {} for {} steps w/ input size ({}, {}, {}) and batch size {}.", what,

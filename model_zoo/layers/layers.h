@@ -51,7 +51,8 @@ TORCH_MODULE(Conv);
 // eval mode without autograd, on float32 inputs outside autocast, the BatchNorm is folded into
 // the convolution (w * g / sqrt(var + eps), b - mean * g / sqrt(var + eps)) and on the CPU the
 // bias, residual add and activation run as oneDNN post-ops of the convolution (torch.compile's
-// CPU fusions): one pass over the output instead of three or four. Results then
+// CPU fusions) with the weights laid out for oneDNN once: one pass over the output instead of
+// three or four, and no weight reorder per call. Results then
 // differ from the unfused path by float rounding only (tests bound it).
 at::Tensor conv_bn_act(torch::nn::Conv2dImpl& conv, imgtrain::BatchNorm2dImpl& bn, const at::Tensor& x,
                        Act act = Act::Identity, const at::Tensor& residual = {});

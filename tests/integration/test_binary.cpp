@@ -91,6 +91,18 @@ TEST_CASE("trains far above chance, validates, resumes at the next epoch, loads 
   expect_user_error(test::run(kBin + " validate --checkpoint " + run + "/last.safetensors --data-dir " + data +
                               " --device cpu --fuse-bn --amp"),
                     "--fuse-bn has no effect with --amp");
+  // benchmark's inference folds BatchNorm by default: no BatchNorm op runs (the profile's op list)
+  const std::string bench = kBin + " benchmark --device cpu --model resnet18 --bench inference -b 2 --img-size 64 "
+                                   "--num-warm-iter 1 --num-bench-iter 2 --profile";
+  auto fused = test::run(bench);
+  INFO(fused.output);
+  REQUIRE(fused.code == 0);
+  CHECK_THAT(fused.output, Catch::Contains("\"infer_fuse_bn\": true") && Catch::Contains("mkldnn::_convolution_pointwise") &&
+                               !Catch::Contains("batch_norm"));
+  auto plain = test::run(bench + " --fuse-bn=false");
+  INFO(plain.output);
+  REQUIRE(plain.code == 0);
+  CHECK_THAT(plain.output, Catch::Contains("\"infer_fuse_bn\": false") && Catch::Contains("aten::native_batch_norm"));
   expect_user_error(test::run(kBin + " benchmark --device cpu --model resnet18 --bench train --fuse-bn"),
                     "--fuse-bn has no effect with --bench train");
 

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Issue 17's comparison: `imgtrain benchmark` against every configuration of timm a user could pick
+# on the same machine, torch and threads, in one run, alternating, medians:
+#   imgtrain             (its defaults; for inference BatchNorm folded: --fuse-bn)
+#   imgtrain unfused     (--fuse-bn=false; inference only)
+#   timm eager           (bench/timm_benchmark.py, timm benchmark.py's measurement)
+#   timm eager + malloc  (the same with imgtrain's glibc malloc settings as environment variables)
+#   timm compiled        (torch.compile default mode, with those malloc settings)
+# and the ratio of imgtrain to the best peer.
+#   bench/peers.sh [RUNS] -- <benchmark flags with --bench inference or --bench train>
+set -euo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+runs=${1:-3}; shift || true
+[[ ${1:-} == -- ]] && shift
+py=$here/.venv/bin/python
+bin=$here/build/bin/imgtrain
+malloc=(env MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=1073741824)
+mode=train
+[[ " $* " == *" --bench inference "* ]] && mode=infer
+[[ " $* " == *" --bench both "* ]] && { echo "peers.sh: one of --bench inference / --bench train" >&2; exit 2; }
+field() { sed -n '/^--result/,$p' | sed 1d | "$py" -c "import json,sys; print(json.load(sys.stdin).get('${mode}_samples_per_sec', ''))"; }
+names=(imgtrain timm_eager timm_eager_malloc timm_compiled)
+[[ $mode == infer ]] && names=(imgtrain imgtrain_unfused timm_eager timm_eager_malloc timm_compiled)
+declare -A vals
+for ((r = 0; r < runs; r++)); do
+  for n in "${names[@]}"; do
+    case $n in
+      imgtrain) v=$("$bin" benchmark --device cpu "$@" 2>/dev/null | field) ;;
+      imgtrain_unfused) v=$("$bin" benchmark --device cpu "$@" --fuse-bn=false 2>/dev/null | field) ;;
+      timm_eager) v=$("$py" "$here/bench/timm_benchmark.py" "$@" 2>/dev/null | field) ;;
+      timm_eager_malloc) v=$("${malloc[@]}" "$py" "$here/bench/timm_benchmark.py" "$@" 2>/dev/null | field) ;;
+      timm_compiled) v=$("${malloc[@]}" "$py" "$here/bench/timm_benchmark.py" "$@" --torchcompile 2>/dev/null | field) ;;
+    esac
+    vals[$n]+="$v "
+  done
+done
+median() { printf '%s\n' $1 | sort -g | awk '{a[NR]=$1} END {if (NR) print (NR % 2 ? a[(NR+1)/2] : (a[NR/2] + a[NR/2+1]) / 2)}'; }
+best=0 best_name=
+for n in "${names[@]}"; do
+  m=$(median "${vals[$n]}")
+  printf '%-18s %9s samples/s  (runs: %s)\n' "$n" "$m" "${vals[$n]% }"
+  if [[ $n == timm_* ]] && awk -v a="$m" -v b="$best" 'BEGIN {exit !(a > b)}'; then best=$m best_name=$n; fi
+done
+ours=$(median "${vals[imgtrain]}")
+printf 'imgtrain / best peer (%s): %.3f\n' "$best_name" "$(awk -v a="$ours" -v b="$best" 'BEGIN {print a / b}')"
