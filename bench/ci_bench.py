@@ -23,6 +23,10 @@ The environment variable IMGTRAIN_BENCH_SLOWDOWN=F (test hook, read by `imgtrain
 makes every timed step F x slower, to check that a regression is caught. With --keep-going a
 failed command is recorded (`errors` in the record) and the rest still run; --deadline stops
 starting commands after that many seconds and keeps what was measured (the GPU check's budget).
+A run exits 1 when a command failed (without --keep-going) or when nothing at all was measured.
+Every user error (a missing or malformed suite, an unknown entry key, a bad flag value) is one
+line on stderr, `ci_bench: ...`, and exit 2. Flags that start with a dash go to --extra-args with
+`=`: --extra-args='--num-bench-iter 50'.
 """
 import argparse
 import json
@@ -53,6 +57,85 @@ class SideFailed(RuntimeError):
     pass
 
 
+class UsageError(RuntimeError):
+    """A mistake of the caller: one line on stderr, exit 2."""
+
+
+ENTRY_KEYS = {'name': str, 'args': str, 'reference': str, 'cuda_graph': bool, 'compiled': bool}
+MODEL_BENCHES = ('both', 'train', 'inference', 'infer')
+
+
+def load_json_records(path):
+    """A results file: a list of records, each a mapping with name and mode."""
+    try:
+        with open(path) as f:
+            records = json.load(f)
+    except OSError as e:
+        raise UsageError('{}: {}'.format(path, e.strerror))
+    except ValueError as e:
+        raise UsageError('{}: not JSON ({})'.format(path, e))
+    if not isinstance(records, list) or not all(isinstance(r, dict) and 'name' in r and 'mode' in r
+                                                for r in records):
+        raise UsageError('{}: not a ci_bench results file (a list of records with name and mode)'.format(path))
+    return records
+
+
+def load_suite(path):
+    """The suite file, checked: every mistake is a one-line UsageError naming the file and entry."""
+    try:
+        with open(path) as f:
+            suite = yaml.safe_load(f)
+    except OSError as e:
+        raise UsageError('{}: {}'.format(path, e.strerror))
+    except yaml.YAMLError as e:
+        mark = getattr(e, 'problem_mark', None)
+        where = ' (line {})'.format(mark.line + 1) if mark else ''
+        raise UsageError('{}: not valid YAML{}: {}'.format(path, where, getattr(e, 'problem', None) or e))
+    if not isinstance(suite, dict):
+        raise UsageError('{}: a suite is a mapping with `entries` (and optionally `device`)'.format(path))
+    unknown = sorted(set(suite) - {'entries', 'device'})
+    if unknown:
+        raise UsageError('{}: unknown key {} (a suite has `device` and `entries`)'.format(path, unknown[0]))
+    device = suite.get('device', 'cpu')
+    if not isinstance(device, str) or not device.strip():
+        raise UsageError('{}: `device` must be a device name such as cpu or cuda'.format(path))
+    entries = suite.get('entries')
+    if not isinstance(entries, list) or not entries:
+        raise UsageError('{}: `entries` must be a non-empty list of entries (- name: ..., args: ...)'.format(path))
+    seen = set()
+    for i, e in enumerate(entries):
+        where = '{}: entry {}'.format(path, i + 1)
+        if not isinstance(e, dict):
+            raise UsageError('{}: an entry is a mapping with `name` and `args`'.format(where))
+        for k, v in e.items():
+            if k not in ENTRY_KEYS:
+                raise UsageError('{}: unknown key `{}` (known: {})'.format(where, k, ', '.join(ENTRY_KEYS)))
+            if not isinstance(v, ENTRY_KEYS[k]):
+                kind = 'true or false' if ENTRY_KEYS[k] is bool else 'a string'
+                if k == 'args' and isinstance(v, list):
+                    kind += " (one line of flags: args: --model resnet50 -b 8)"
+                raise UsageError('{}: `{}` must be {}, not {!r}'.format(where, k, kind, v))
+        for k in ('name', 'args'):
+            if not str(e.get(k, '')).strip():
+                raise UsageError('{}: `{}` is missing'.format(where, k))
+        where = '{}: entry {}'.format(path, e['name'])
+        if e['name'] in seen:
+            raise UsageError('{}: the name is used twice (records are keyed by name)'.format(where))
+        seen.add(e['name'])
+        if e.get('reference', 'timm') != 'timm':
+            raise UsageError('{}: reference {!r}: the only reference is timm'.format(where, e['reference']))
+        try:
+            args = shlex.split(e['args'])
+        except ValueError as err:
+            raise UsageError('{}: args: {}'.format(where, err))
+        if not arg_value(args, '--model'):
+            raise UsageError('{}: args need --model'.format(where))
+        if arg_value(args, '--bench', default='both') not in MODEL_BENCHES:
+            raise UsageError('{}: --bench {}: ci_bench measures models (both, train, inference); run data '
+                             'benchmarks with imgtrain benchmark directly'.format(where, arg_value(args, '--bench')))
+    return device, entries
+
+
 def run_cmd(cmd, timeout=None):
     try:
         p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
@@ -80,17 +163,37 @@ def cpu_name():
     return platform.processor() or 'unknown'
 
 
+def gpu_name():
+    try:
+        import torch
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name()
+    except ImportError:
+        pass
+    try:
+        out = subprocess.run(['nvidia-smi', '--query-gpu=name', '--format=csv,noheader'], stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, text=True, timeout=30).stdout.strip().splitlines()
+        if out:
+            return out[0].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return 'unknown (no CUDA in this Python, no nvidia-smi)'
+
+
 def environment(imgtrain, device):
+    """What the numbers depend on. The device is the one the commands were given, not this Python's."""
     version = subprocess.run([imgtrain, '--version'], stdout=subprocess.PIPE, text=True).stdout.strip()
     commit = os.environ.get('GIT_COMMIT') or subprocess.run(
         ['git', '-C', HERE, 'rev-parse', '--short', 'HEAD'], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
         text=True).stdout.strip()
-    import torch
-    name = 'cpu: ' + cpu_name()
-    if device.startswith('cuda') and torch.cuda.is_available():
-        name = 'cuda: ' + torch.cuda.get_device_name()
-    return {'imgtrain_version': version, 'git_commit': commit or 'unknown', 'torch_version': torch.__version__,
-            'device': name, 'threads': torch.get_num_threads()}
+    try:
+        import torch
+        torch_version, threads = torch.__version__, torch.get_num_threads()
+    except ImportError:
+        torch_version, threads = 'not installed', os.cpu_count()
+    name = (device + ': ' + gpu_name()) if device.startswith('cuda') else (device + ': ' + cpu_name())
+    return {'imgtrain_version': version, 'git_commit': commit or 'unknown', 'torch_version': torch_version,
+            'device': name, 'threads': threads}
 
 
 def arg_value(args, *names, default=None):
@@ -127,7 +230,8 @@ def make_records(entries, samples, extras, errors, env, opts):
         args = entry_args(e, opts)
         bench = arg_value(args, '--bench', default='both')
         for mode in {'train': ('train',), 'inference': ('infer',), 'infer': ('infer',)}.get(bench, MODES):
-            ours = samples.get((e['name'], mode, 'imgtrain'))
+            side = {s: samples.get((e['name'], mode, s), {}) for s in ('imgtrain', 'reference', 'graph', 'compiled')}
+            ours = list(side['imgtrain'].values())
             errs = {s: m for (n, s), m in errors.items() if n == e['name']}
             if not ours and not errs:
                 continue
@@ -135,26 +239,31 @@ def make_records(entries, samples, extras, errors, env, opts):
             if ours:
                 rec.update({'samples_per_sec': round(statistics.median(ours), 3),
                             'spread': [round(min(ours), 3), round(max(ours), 3)], 'repeats': len(ours)})
-            ref = samples.get((e['name'], mode, 'reference'))
+            ref = side['reference']
             if ref:
                 rec['reference'] = e['reference']
-                rec['reference_samples_per_sec'] = round(statistics.median(ref), 3)
-                if ours and len(ours) == len(ref):
-                    # the median of each round's ratio: the two sides of a round ran back to back
-                    rec['ratio'] = round(statistics.median(o / r for o, r in zip(ours, ref)), 4)
-            graph = samples.get((e['name'], mode, 'graph'))
+                rec['reference_samples_per_sec'] = round(statistics.median(ref.values()), 3)
+                # the median of each round's ratio (the two sides of a round ran back to back), over
+                # the rounds where both sides have a number
+                paired = [side['imgtrain'][r] / ref[r] for r in sorted(ref) if r in side['imgtrain'] and ref[r]]
+                if paired:
+                    rec['ratio'] = round(statistics.median(paired), 4)
+                    rec['ratio_rounds'] = len(paired)
+            graph = side['graph']
             if graph:
-                rec['graph_samples_per_sec'] = round(statistics.median(graph), 3)
-            comp = samples.get((e['name'], mode, 'compiled'))
+                rec['graph_samples_per_sec'] = round(statistics.median(graph.values()), 3)
+            comp = side['compiled']
             if comp:
-                rec['compiled_samples_per_sec'] = round(statistics.median(comp), 3)
+                rec['compiled_samples_per_sec'] = round(statistics.median(comp.values()), 3)
                 best = max(rec.get('samples_per_sec', 0), rec.get('graph_samples_per_sec', 0))
-                rec['ratio_best_to_compiled'] = round(best / rec['compiled_samples_per_sec'], 4)
+                if best:
+                    rec['ratio_best_to_compiled'] = round(best / rec['compiled_samples_per_sec'], 4)
             for k, v in extras.get((e['name'], mode), {}).items():
                 rec[k] = v
             if errs:
                 rec['errors'] = errs
-            rec.update({'batch_size': int(arg_value(args, '-b', '--batch-size', default=256)),
+            batch = arg_value(args, '-b', '--batch-size', default='256')
+            rec.update({'batch_size': int(batch) if batch.isdigit() else batch,
                         'img_size': arg_value(args, '--img-size'), 'amp': '--amp' in args,
                         'amp_dtype': arg_value(args, '--amp-dtype') if '--amp' in args else None,
                         'channels_last': '--channels-last' in args, 'cuda_graph': bool(graph)})
@@ -164,19 +273,41 @@ def make_records(entries, samples, extras, errors, env, opts):
 
 
 def cmd_run(opts):
-    suite = yaml.safe_load(open(opts.suite))
-    entries = suite.get('entries') if isinstance(suite, dict) else None
-    if not entries:
-        sys.exit('{}: no entries'.format(opts.suite))
+    if opts.repeats < 1:
+        raise UsageError('--repeats {}: at least 1'.format(opts.repeats))
+    if opts.deadline is not None and opts.deadline <= 0:
+        raise UsageError('--deadline {:g}: seconds, more than 0 (leave it out for no deadline)'.format(opts.deadline))
+    if opts.device is not None and not opts.device.strip():
+        raise UsageError('--device is empty')
+    device, entries = load_suite(opts.suite)
+    device = opts.device or device
     if opts.only:
         wanted = set(opts.only.replace(',', ' ').split())
+        unknown = wanted - {e['name'] for e in entries} - {arg_value(shlex.split(e['args']), '--model') for e in entries}
+        if unknown:
+            raise UsageError('--only: {} has no entry or model {}'.format(opts.suite, ', '.join(sorted(unknown))))
         entries = [e for e in entries if e['name'] in wanted or arg_value(shlex.split(e['args']), '--model') in wanted]
-        if not entries:
-            sys.exit('{}: no entry named {}'.format(opts.suite, opts.only))
-    device = opts.device or suite.get('device', 'cpu')
+    try:
+        extra = shlex.split(opts.extra_args or '')
+    except ValueError as err:
+        raise UsageError('--extra-args: {}'.format(err))
+    for e in entries:
+        args = shlex.split(e['args']) + extra
+        if arg_value(args, '--bench', default='both') not in MODEL_BENCHES:
+            raise UsageError('--extra-args: --bench {}: ci_bench measures models'.format(arg_value(args, '--bench')))
+        if e.get('compiled'):
+            warm = arg_value(args, '--num-warm-iter', default='10')
+            if not warm.isdigit() or int(warm) < 1:
+                raise UsageError('entry {}: --num-warm-iter {}: `compiled: true` needs warm-up steps (torch.compile '
+                                 'compiles in the first ones, which would be timed)'.format(e['name'], warm))
     imgtrain = opts.imgtrain or os.path.join(HERE, 'build', 'bin', 'imgtrain')
+    if not (os.path.isfile(imgtrain) and os.access(imgtrain, os.X_OK)):
+        raise UsageError('{}: no imgtrain binary there (build it with scripts/build.sh, or pass --imgtrain)'.format(
+            imgtrain))
+    if opts.out and os.path.exists(opts.out):
+        os.remove(opts.out)  # a run that fails early must not leave an older run's numbers behind
     env = environment(imgtrain, device)
-    samples = {}  # (name, mode, side) -> [samples/s per repeat]
+    samples = {}  # (name, mode, side) -> {round: samples/s}
     extras = {}  # (name, mode) -> imgtrain's memory fields
     errors = {}  # (name, side) -> the first failure
     start = time.time()
@@ -200,25 +331,40 @@ def cmd_run(opts):
             late += [(e, s) for s in after]
             for side in now:
                 try:
-                    measure(e, side, device, imgtrain, samples, extras, errors, deadline, opts)
+                    measure(e, side, r, device, imgtrain, samples, extras, errors, deadline, opts)
                 except SideFailed as err:
+                    write()
                     sys.exit('ci_bench: {} {}: {}'.format(e['name'], side[0], err))
             print('round {}/{} {:<24s} done ({:.0f} s)'.format(r + 1, opts.repeats, e['name'], time.time() - start),
                   flush=True)
             write()
         for e, side in late:
             try:
-                measure(e, side, device, imgtrain, samples, extras, errors, deadline, opts)
+                measure(e, side, r, device, imgtrain, samples, extras, errors, deadline, opts)
             except SideFailed as err:
+                write()
                 sys.exit('ci_bench: {} {}: {}'.format(e['name'], side[0], err))
             write()
     records = write()
     print(json.dumps(records, indent=2))
-    if errors and not opts.keep_going:
+    skipped = [k for k, m in errors.items() if m.startswith(NOT_RUN)]
+    if skipped:
+        print('ci_bench: the deadline ({:g} s) passed: {} command(s) not run ({})'.format(
+            opts.deadline, len(skipped), ', '.join('{} {}'.format(*k) for k in skipped)), file=sys.stderr)
+    failed = [k for k, m in errors.items() if not m.startswith(NOT_RUN)]
+    if failed:
+        print('ci_bench: {} command(s) failed: {}'.format(len(failed), ', '.join('{} {}'.format(*k) for k in failed)),
+              file=sys.stderr)
+    if not any('samples_per_sec' in rec for rec in records):
+        sys.exit('ci_bench: nothing was measured')
+    if failed and not opts.keep_going:
         sys.exit(1)
 
 
-def measure(e, side, device, imgtrain, samples, extras, errors, deadline, opts):
+NOT_RUN = 'not run: '
+
+
+def measure(e, side, rnd, device, imgtrain, samples, extras, errors, deadline, opts):
     name, flags, timm, _ = side
     if (e['name'], name) in errors:
         return  # failed in an earlier round: not again
@@ -226,7 +372,7 @@ def measure(e, side, device, imgtrain, samples, extras, errors, deadline, opts):
     if deadline:
         left = deadline - time.time()
         if left < 5:
-            errors[(e['name'], name)] = 'not run: the deadline ({} s) had passed'.format(opts.deadline)
+            errors[(e['name'], name)] = NOT_RUN + 'the deadline ({:g} s) had passed'.format(opts.deadline)
             return
     base = [sys.executable, os.path.join(HERE, 'bench', 'timm_benchmark.py')] if timm else [imgtrain, 'benchmark']
     cmd = base + ['--device', device] + entry_args(e, opts) + flags
@@ -241,7 +387,7 @@ def measure(e, side, device, imgtrain, samples, extras, errors, deadline, opts):
     for mode in MODES:
         v = res.get(mode + '_samples_per_sec')
         if v is not None:
-            samples.setdefault((e['name'], mode, name), []).append(float(v))
+            samples.setdefault((e['name'], mode, name), {})[rnd] = float(v)
         if name == 'imgtrain':
             for k in ('max_allocated_mb', 'max_reserved_mb'):
                 if mode + '_' + k in res:
@@ -253,7 +399,7 @@ def fmt(v, digits=1):
 
 
 def cmd_table(opts):
-    records = json.load(open(opts.results))
+    records = load_json_records(opts.results)
     print('| entry | mode | imgtrain /s | imgtrain --cuda-graph /s | timm eager /s | timm compiled /s | '
           'imgtrain / eager | best imgtrain / compiled | imgtrain max alloc MB |')
     print('| --- | --- | --- | --- | --- | --- | --- | --- | --- |')
@@ -261,7 +407,11 @@ def cmd_table(opts):
         errs = r.get('errors', {})
 
         def cell(key, side, digits=1):
-            return fmt(r.get(key), digits) if key in r else ('failed' if side in errs else '-')
+            if key in r:
+                return fmt(r.get(key), digits)
+            if side in errs:
+                return 'not run' if errs[side].startswith(NOT_RUN) else 'failed'
+            return '-'
         print('| {} | {} | {} | {} | {} | {} | {} | {} | {} |'.format(
             r['name'], r['mode'], cell('samples_per_sec', 'imgtrain'), cell('graph_samples_per_sec', 'graph'),
             cell('reference_samples_per_sec', 'reference'), cell('compiled_samples_per_sec', 'compiled'),
@@ -270,21 +420,34 @@ def cmd_table(opts):
     for r in records:
         for side, msg in r.get('errors', {}).items():
             failures[(r['name'], side)] = msg
+    if failures:
+        print()
     for (name, side), msg in failures.items():
-        print('\n- {} {}: {}'.format(name, side, msg))
+        print('- {} {}: {}'.format(name, side, msg))
 
 
 def cmd_compare(opts):
-    base = {(r['name'], r['mode']): r for r in json.load(open(opts.baseline))}
-    now = {(r['name'], r['mode']): r for r in json.load(open(opts.now))}
-    failed = []
+    base_list, now_list = load_json_records(opts.baseline), load_json_records(opts.now)
+    if not any('samples_per_sec' in r for r in base_list):
+        raise UsageError('{}: the baseline has no measured record'.format(opts.baseline))
+    base = {(r['name'], r['mode']): r for r in base_list}
+    now = {(r['name'], r['mode']): r for r in now_list}
+    below, missing, failed = [], [], []
     print('{:<24s} {:<6s} {:>8s} {:>12s} {:>12s} {:>7s}'.format('entry', 'mode', 'measure', 'baseline', 'now',
                                                               'ratio'))
     for key, b in base.items():
         n = now.get(key)
+        if 'samples_per_sec' not in b:
+            print('{:<24s} {:<6s} not measured in the baseline: skipped'.format(*key))
+            continue
         if n is None:
             print('{:<24s} {:<6s} missing from {}'.format(key[0], key[1], opts.now))
-            failed.append('{} {} (missing)'.format(*key))
+            missing.append('{} {}'.format(*key))
+            continue
+        if 'samples_per_sec' not in n:
+            why = '; '.join('{}: {}'.format(s, m) for s, m in n.get('errors', {}).items()) or 'no number'
+            print('{:<24s} {:<6s} failed: {}'.format(key[0], key[1], why[:200]))
+            failed.append('{} {}'.format(*key))
             continue
         if 'ratio' in b and 'ratio' in n:
             measure, bv, nv = 'vs ' + b.get('reference', 'ref'), b['ratio'], n['ratio']
@@ -295,9 +458,19 @@ def cmd_compare(opts):
         print('{:<24s} {:<6s} {:>8s} {:>12.4f} {:>12.4f} {:>7.3f}{}'.format(key[0], key[1], measure, bv, nv, ratio,
                                                                           flag))
         if ratio < opts.threshold:
-            failed.append('{} {} ({:.3f})'.format(key[0], key[1], ratio))
+            below.append('{} {} ({:.3f})'.format(key[0], key[1], ratio))
+    for key in now:
+        if key not in base:
+            print('{:<24s} {:<6s} new: not in the baseline'.format(*key))
+    problems = []
+    if below:
+        problems.append('below {:.2f} of the baseline: {}'.format(opts.threshold, ', '.join(below)))
+    if missing:
+        problems.append('missing: {}'.format(', '.join(missing)))
     if failed:
-        print('FAILED: below {:.2f} of the baseline: {}'.format(opts.threshold, ', '.join(failed)))
+        problems.append('failed: {}'.format(', '.join(failed)))
+    if problems:
+        print('FAILED: ' + '; '.join(problems))
         sys.exit(1)
     print('OK: every entry at or above {:.2f} of the baseline'.format(opts.threshold))
 
@@ -312,9 +485,10 @@ def main():
     r.add_argument('--imgtrain')
     r.add_argument('--device', help="the device of every command (default: the suite's `device`, else cpu)")
     r.add_argument('--only', help='entries (names or models, comma- or space-separated) to run')
-    r.add_argument('--extra-args', help='flags appended to every command (the last of a repeated flag wins)')
+    r.add_argument('--extra-args', help="flags appended to every command (the last of a repeated flag wins); "
+                   "give them with =: --extra-args='--num-bench-iter 50'")
     r.add_argument('--deadline', type=float, help='seconds: no command starts after this, records so far are kept')
-    r.add_argument('--keep-going', action='store_true', help='record a failed command and go on (exit 0)')
+    r.add_argument('--keep-going', action='store_true', help='record a failed command and go on (exit 0 unless nothing was measured)')
     t = sub.add_parser('table')
     t.add_argument('results')
     c = sub.add_parser('compare')
@@ -322,7 +496,11 @@ def main():
     c.add_argument('now')
     c.add_argument('--threshold', type=float, default=0.90)
     opts = p.parse_args()
-    {'run': cmd_run, 'compare': cmd_compare, 'table': cmd_table}[opts.cmd](opts)
+    try:
+        {'run': cmd_run, 'compare': cmd_compare, 'table': cmd_table}[opts.cmd](opts)
+    except UsageError as err:
+        print('ci_bench: {}'.format(err), file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == '__main__':

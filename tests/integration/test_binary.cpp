@@ -635,6 +635,75 @@ TEST_CASE("the CI benchmark job: a suite's records, and a staged slowdown fails 
                     "IMGTRAIN_BENCH_SLOWDOWN 'abc'");
 }
 
+TEST_CASE("ci_bench.py: a bad suite, flag or results file is one line and exit 2; nothing measured is exit 1",
+          "[integration]") {
+  test::TempDir out("cibenchbad");
+  const std::string tool = kPython + " " + IMGTRAIN_SOURCE_DIR + "/bench/ci_bench.py";
+  const std::string run = tool + " run --imgtrain " + kBin + " --repeats 1 --suite ";
+  auto one_line = [](const test::RunResult& r, int code, const std::string& needle) {
+    INFO(r.output);
+    CHECK(r.code == code);
+    CHECK_THAT(r.output, Catch::Contains("ci_bench: ") && Catch::Contains(needle));
+    CHECK_THAT(r.output, !Catch::Contains("Traceback"));
+  };
+  const std::string entry = "  - name: a\n    args: --model resnet18 --bench inference -b 2 --img-size 32 "
+                            "--num-warm-iter 0 --num-bench-iter 1\n";
+  struct Bad {
+    const char* yaml;
+    const char* says;
+  };
+  const Bad bad[] = {
+      {"entries: [\n", "not valid YAML"},
+      {"entries:\n  name: a\n", "`entries` must be a non-empty list"},
+      {"entries:\n  - name: a\n    args: [--model, resnet18]\n", "`args` must be a string"},
+      {"entries:\n  - args: --model resnet18\n", "`name` is missing"},
+      {"entries:\n  - name: a\n    args: --model resnet18\n    cuda-graph: true\n", "unknown key `cuda-graph`"},
+      {"entries:\n  - name: a\n    args: --model resnet18\n    compiled: \"false\"\n",
+       "`compiled` must be true or false"},
+      {"entries:\n  - name: a\n    args: --model resnet18 --bench data\n", "ci_bench measures models"},
+      {"entries:\n  - name: a\n    args: --model resnet18 --num-warm-iter 0\n    compiled: true\n",
+       "needs warm-up steps"},
+      {"device: ''\nentries:\n  - name: a\n    args: --model resnet18\n", "`device` must be"},
+  };
+  int i = 0;
+  for (const auto& b : bad) {
+    const std::string f = out / ("s" + std::to_string(i++) + ".yaml");
+    test::write_file(f, b.yaml);
+    one_line(test::run(run + f), 2, b.says);
+  }
+  test::write_file(out / "dup.yaml", "entries:\n" + entry + entry);
+  one_line(test::run(run + (out / "dup.yaml")), 2, "entry a: the name is used twice");
+  one_line(test::run(run + (out / "nope.yaml")), 2, "No such file");
+  test::write_file(out / "ok.yaml", "entries:\n" + entry);
+  one_line(test::run(run + (out / "ok.yaml") + " --repeats 0"), 2, "--repeats 0: at least 1");
+  one_line(test::run(run + (out / "ok.yaml") + " --deadline 0"), 2, "--deadline 0");
+  one_line(test::run(run + (out / "ok.yaml") + " --only zzz"), 2, "no entry or model zzz");
+  one_line(test::run(tool + " run --imgtrain /nonexistent --suite " + (out / "ok.yaml")), 2, "no imgtrain binary");
+  // a run where every command fails is exit 1 even with --keep-going, and leaves no stale results:
+  // the older file at --out is replaced by this run's failed records
+  test::write_file(out / "fail.yaml", "entries:\n  - name: f\n    args: --model no_such_net --bench inference\n");
+  test::write_file(out / "res.json", "[{\"name\": \"f\", \"mode\": \"infer\", \"samples_per_sec\": 99}]");
+  auto failed = test::run(run + (out / "fail.yaml") + " --keep-going --out " + (out / "res.json"));
+  one_line(failed, 1, "nothing was measured");
+  const auto rec = nlohmann::json::parse(test::read_file(out / "res.json"));
+  REQUIRE(rec.size() == 1);
+  CHECK_FALSE(rec[0].contains("samples_per_sec"));
+  CHECK(rec[0]["errors"].contains("imgtrain"));
+  // compare: a failed entry is named as failed; an unmeasured baseline or a file that is not
+  // results is a one-line error
+  test::write_file(out / "base.json", "[{\"name\": \"f\", \"mode\": \"infer\", \"samples_per_sec\": 99}]");
+  auto cmp = test::run(tool + " compare " + (out / "base.json") + " " + (out / "res.json"));
+  INFO(cmp.output);
+  CHECK(cmp.code == 1);
+  CHECK_THAT(cmp.output, Catch::Contains("FAILED: failed: f infer") && !Catch::Contains("Traceback"));
+  one_line(test::run(tool + " compare " + (out / "res.json") + " " + (out / "base.json")), 2,
+           "the baseline has no measured record");
+  test::write_file(out / "map.json", "{\"a\": 1}");
+  one_line(test::run(tool + " compare " + (out / "map.json") + " " + (out / "base.json")), 2,
+           "not a ci_bench results file");
+  one_line(test::run(tool + " table " + (out / "nope.json")), 2, "No such file");
+}
+
 TEST_CASE("max-iter ends the run after that many updates, mid-epoch, with torch's milestones", "[integration]") {
   auto data = test::fmnist_folder(200, 100);
   test::TempDir out("maxiter");
