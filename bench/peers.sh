@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Issue 17's comparison: `imgtrain benchmark` against every configuration of timm a user could pick
 # on the same machine, torch and threads, in one run, alternating, medians:
-#   imgtrain             (its defaults; for inference BatchNorm folded: --fuse-bn)
-#   imgtrain unfused     (--fuse-bn=false; inference only)
+#   imgtrain             (its defaults: inference with BatchNorm folded, training with torch's modules)
+#   imgtrain unfused     (inference: --fuse-bn=false, torch's modules)
+#   imgtrain fused       (training: --fuse-bn, imgtrain's BatchNorm + add + activation kernel)
 #   timm eager           (bench/timm_benchmark.py, timm benchmark.py's measurement)
 #   timm eager + malloc  (the same with imgtrain's glibc malloc settings as environment variables)
 #   timm compiled        (torch.compile default mode, with those malloc settings)
@@ -19,7 +20,7 @@ mode=train
 [[ " $* " == *" --bench inference "* ]] && mode=infer
 [[ " $* " == *" --bench both "* ]] && { echo "peers.sh: one of --bench inference / --bench train" >&2; exit 2; }
 field() { sed -n '/^--result/,$p' | sed 1d | "$py" -c "import json,sys; print(json.load(sys.stdin).get('${mode}_samples_per_sec', ''))"; }
-names=(imgtrain timm_eager timm_eager_malloc timm_compiled)
+names=(imgtrain imgtrain_fused timm_eager timm_eager_malloc timm_compiled)
 [[ $mode == infer ]] && names=(imgtrain imgtrain_unfused timm_eager timm_eager_malloc timm_compiled)
 declare -A vals
 for ((r = 0; r < runs; r++)); do
@@ -27,6 +28,7 @@ for ((r = 0; r < runs; r++)); do
     case $n in
       imgtrain) v=$("$bin" benchmark --device cpu "$@" 2>/dev/null | field) ;;
       imgtrain_unfused) v=$("$bin" benchmark --device cpu "$@" --fuse-bn=false 2>/dev/null | field) ;;
+      imgtrain_fused) v=$("$bin" benchmark --device cpu "$@" --fuse-bn 2>/dev/null | field) ;;
       timm_eager) v=$("$py" "$here/bench/timm_benchmark.py" "$@" 2>/dev/null | field) ;;
       timm_eager_malloc) v=$("${malloc[@]}" "$py" "$here/bench/timm_benchmark.py" "$@" 2>/dev/null | field) ;;
       timm_compiled) v=$("${malloc[@]}" "$py" "$here/bench/timm_benchmark.py" "$@" --torchcompile 2>/dev/null | field) ;;

@@ -250,10 +250,12 @@ const std::vector<Flag>& flags() {
        "Capture the benchmarked step in a CUDA graph after warm-up and replay it (torch.compile's reduce-overhead)",
        BENCH},
       {"fuse-bn", "", &Config::fuse_bn,
-       "Inference: fold each BatchNorm into the convolution before it (float32, no autocast); on the CPU the bias, "
-       "residual add and activation run as oneDNN post-ops. benchmark: on unless --fuse-bn=false; validate: off "
-       "unless given (outputs then differ from timm's by float rounding)",
-       VALIDATE | BENCH},
+       "Fuse each conv block's BatchNorm with what surrounds it (float32, no autocast). Inference: folded into the "
+       "convolution before it; on the CPU the bias, residual add and activation run as oneDNN post-ops. Training "
+       "(CPU): batch statistics, normalisation, residual add and activation in one kernel each way. benchmark "
+       "inference: on unless --fuse-bn=false; train, benchmark --bench train and validate: off unless given "
+       "(results then differ from timm's by float rounding)",
+       TRAIN | VALIDATE | BENCH},
       {"profile", "", &Config::profile,
        "Print where the timed steps go: forward / backward / optimizer and the ops with the most self time "
        "(host time of each op call; on CUDA that is launch time, use Nsight for kernels)",
@@ -602,8 +604,6 @@ void check_effective(Command cmd, const Config& c) {
     refuse({"model", "device", "amp", "amp-dtype", "channels-last", "num-classes", "gp", "opt", "opt-impl", "profile", "cuda-graph",
             "fuse-bn", "nproc-per-node"},
            fmt::format("with --bench {} (it measures the input pipeline alone, on the CPU)", c.bench));
-  if (cmd == Command::Benchmark && c.bench == "train")
-    refuse({"fuse-bn"}, "with --bench train (BatchNorm is folded for inference only)");
   if (c.amp && c.fuse_bn)
     refuse({"fuse-bn"}, "with --amp (the folded convolutions run in float32; autocast picks the kernels)");
   if (cmd == Command::Benchmark && c.bench == "data")

@@ -136,7 +136,7 @@ struct Config {
   std::string bench = "both";
   bool profile = false;
   bool cuda_graph = false;
-  bool fuse_bn = false;  // benchmark: on unless --fuse-bn=false is given (fuse_bn_for)
+  bool fuse_bn = false;  // benchmark inference: on unless --fuse-bn=false; else off unless given (fuse_bn_on)
   int64_t num_warm_iter = 10;
   int64_t num_bench_iter = 40;
   bool channels_last = false;
@@ -189,6 +189,8 @@ struct Config {
   // where it has no effect is an error rather than silently ignored.
   std::set<std::string> given;
   bool was_given(const std::string& flag) const { return given.count(flag) > 0; }
+  // --fuse-bn as given, else `default_on`.
+  bool fuse_bn_on(bool default_on) const { return was_given("fuse-bn") ? fuse_bn : default_on; }
   std::set<std::string> in_file;  // the flags the -c file names, at any value
 };
 

@@ -50,6 +50,10 @@ class BatchNorm2dImpl : public torch::nn::BatchNorm2dImpl {
   // model's weights must not change while it is on.
   bool fuse_inference = false;
   at::Tensor folded_weight, folded_bias;
+  // Training fusion (set_training_fusion): training-mode forwards through conv_bn_act run this
+  // BatchNorm, the residual add and the activation after it as one kernel (ops::batch_norm_act_train;
+  // float32 CPU; other inputs take the modules).
+  bool fuse_train = false;
 };
 TORCH_MODULE(BatchNorm2d);
 
@@ -63,6 +67,13 @@ inline void set_inference_fusion(torch::nn::Module& model, bool on) {
       bn->folded_weight = at::Tensor();
       bn->folded_bias = at::Tensor();
     }
+}
+
+// Turns training fusion on or off for every BatchNorm2d of `model` (train and benchmark --bench
+// train with --fuse-bn). Frozen and synchronised BatchNorms never fuse.
+inline void set_training_fusion(torch::nn::Module& model, bool on) {
+  for (auto& m : model.modules(/*include_self=*/true))
+    if (auto* bn = dynamic_cast<BatchNorm2dImpl*>(m.get())) bn->fuse_train = on;
 }
 
 }  // namespace imgtrain

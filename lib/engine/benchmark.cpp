@@ -466,9 +466,11 @@ int benchmark(const cli::Config& cfg) {
     auto x = torch::randn({b, margs.in_chans, img, img}, torch::TensorOptions().device(device));
     if (cfg.channels_last) x = x.contiguous(at::MemoryFormat::ChannelsLast);
     model->train(train);
-    const bool fuse = !train && !amp.enabled && (cfg.was_given("fuse-bn") ? cfg.fuse_bn : true);
-    set_inference_fusion(*model, fuse);
-    if (!train) results["infer_fuse_bn"] = fuse;
+    // inference: folding is on unless --fuse-bn=false; training: the fused kernel only with --fuse-bn
+    const bool fuse = cfg.fuse_bn_on(!amp.enabled && !train);
+    set_inference_fusion(*model, fuse && !train);
+    set_training_fusion(*model, fuse && train);
+    results[train ? "train_fuse_bn" : "infer_fuse_bn"] = fuse;
     auto opt = train ? bench_optimizer(*model, cfg) : nullptr;
     const char* what = train ? "train" : "inference";
     log::info("Running {} benchmark on {} for {} steps w/ input size ({}, {}, {}) and batch size {}.", what,

@@ -1,6 +1,7 @@
 // `imgtrain train`: a validated Config -> the task, model, data, optimizer and schedule, then
 // the epoch loop (train, distribute BN, evaluate model and EMA, summary row, lr step, checkpoint).
 #include "cli/adapters.h"
+#include "core/batch_norm.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "dist/launcher.h"
@@ -204,6 +205,9 @@ int fit(const cli::Config& given_cfg, torch::Device device, dist::Context* ctx) 
 
   // (after the data checks and the model's own checks, so that a user error stays one line)
   r.model = task.create_model();
+  // --fuse-bn: BatchNorm + residual add + activation as one kernel in training (float32 CPU; opt-in
+  // while it is not faster than ATen's kernels everywhere, docs/performance.md)
+  set_training_fusion(*r.model, cfg.fuse_bn_on(false));
   if (ctx)
     log::info("Training in distributed mode with multiple processes, 1 device per process. Process {}, total {}, "
               "device {} ({}).",

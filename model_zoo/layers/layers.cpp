@@ -1,6 +1,7 @@
 #include "model_zoo/layers/layers.h"
 
 #include "core/error.h"
+#include "ops/norm_act.h"
 
 #include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -130,11 +131,40 @@ std::vector<int64_t> vec(const torch::ExpandingArray<2>& a) { return {a->at(0), 
 
 }  // namespace
 
+// Training fusion: act(bn(y) + residual) as one kernel when bn asks for it (set_training_fusion)
+// and the kernel takes the input; else undefined and the caller runs the modules. The running
+// statistics and num_batches_tracked move exactly as torch's BatchNorm2d moves them.
+at::Tensor train_fused(imgtrain::BatchNorm2dImpl& bn, const at::Tensor& y, Act act, const at::Tensor& residual) {
+  if (!bn.fuse_train || !bn.is_training() || bn.frozen || bn.sync || !bn.weight.defined() || !bn.bias.defined() ||
+      !bn.options.track_running_stats() || !bn.running_mean.defined())
+    return {};
+  ops::NormAct a;
+  switch (act) {
+    case Act::Identity: a = ops::NormAct::None; break;
+    case Act::ReLU: a = ops::NormAct::ReLU; break;
+    case Act::ReLU6: a = ops::NormAct::ReLU6; break;
+    case Act::Swish: a = ops::NormAct::SiLU; break;
+    case Act::HardSwish: a = ops::NormAct::HardSwish; break;
+    default: return {};
+  }
+  if (!ops::batch_norm_act_supported(y, residual) || bn.weight.scalar_type() != at::kFloat) return {};
+  double momentum;
+  {
+    at::NoGradGuard no_grad;  // the counter moves outside autograd, as in torch
+    bn.num_batches_tracked.add_(1);
+    momentum = bn.options.momentum() ? *bn.options.momentum() : 1.0 / double(bn.num_batches_tracked.item<int64_t>());
+  }
+  return ops::batch_norm_act_train(y, bn.weight, bn.bias, bn.running_mean, bn.running_var, momentum,
+                                   bn.options.eps(), a, residual);
+}
+
 at::Tensor conv_bn_act(torch::nn::Conv2dImpl& conv, imgtrain::BatchNorm2dImpl& bn, const at::Tensor& x, Act act,
                        const at::Tensor& residual) {
   auto* zconv = dynamic_cast<ConvImpl*>(&conv);
   if (!fusable(conv, bn, x)) {
-    auto y = bn.forward(zconv ? zconv->forward(x) : conv.forward(x));
+    auto y = zconv ? zconv->forward(x) : conv.forward(x);
+    if (auto fused = train_fused(bn, y, act, residual); fused.defined()) return fused;
+    y = bn.forward(y);
     if (residual.defined()) y.add_(residual);
     return apply_act(y, act, true);
   }

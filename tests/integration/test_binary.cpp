@@ -103,8 +103,19 @@ TEST_CASE("trains far above chance, validates, resumes at the next epoch, loads 
   INFO(plain.output);
   REQUIRE(plain.code == 0);
   CHECK_THAT(plain.output, Catch::Contains("\"infer_fuse_bn\": false") && Catch::Contains("aten::native_batch_norm"));
-  expect_user_error(test::run(kBin + " benchmark --device cpu --model resnet18 --bench train --fuse-bn"),
-                    "--fuse-bn has no effect with --bench train");
+  // training with --fuse-bn: BatchNorm, residual add and ReLU run as imgtrain's kernel (no ATen
+  // batch_norm op); without it (the default) torch's modules
+  const std::string train_bench = kBin + " benchmark --device cpu --model resnet18 --bench train -b 2 --img-size 64 "
+                                         "--num-warm-iter 1 --num-bench-iter 2 --profile";
+  auto fused_train = test::run(train_bench + " --fuse-bn");
+  INFO(fused_train.output);
+  REQUIRE(fused_train.code == 0);
+  CHECK_THAT(fused_train.output, Catch::Contains("\"train_fuse_bn\": true") && !Catch::Contains("batch_norm"));
+  auto plain_train = test::run(train_bench);
+  INFO(plain_train.output);
+  REQUIRE(plain_train.code == 0);
+  CHECK_THAT(plain_train.output, Catch::Contains("\"train_fuse_bn\": false") &&
+                                     Catch::Contains("aten::native_batch_norm_backward"));
 
   // Resume: continues at epoch 3, not 0, and appends to the same summary.
   auto r2 = test::run(kBin + " train --data-dir " + data + kSmallArgs + " --epochs 4 --output " + out.path.string() +

@@ -10,6 +10,7 @@
 #include "engine/train_loop.h"
 #include "io/weights.h"
 #include "model_zoo/registry.h"
+#include "ops/norm_act.h"
 #include "optim/optim.h"
 #include "core/rng.h"
 #include "tasks/classification/classification.h"
@@ -728,4 +729,163 @@ TEST_CASE("inference fusion on does not change training: outputs, gradients and 
   const auto plain = run(false), fused = run(true);
   REQUIRE(plain.size() == fused.size());
   for (size_t i = 0; i < plain.size(); ++i) CHECK(torch::equal(plain[i], fused[i]));
+}
+
+namespace {
+
+// torch's modules for act(batch_norm(x) + residual) in training mode, the reference of the fused kernel
+at::Tensor bn_act_reference(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const at::Tensor& rm,
+                            const at::Tensor& rv, double momentum, double eps, ops::NormAct act,
+                            const at::Tensor& residual) {
+  auto y = at::batch_norm(x, w, b, rm, rv, /*training=*/true, momentum, eps, /*cudnn_enabled=*/false);
+  if (residual.defined()) y = y + residual;
+  switch (act) {
+    case ops::NormAct::None: return y;
+    case ops::NormAct::ReLU: return y.relu();
+    case ops::NormAct::ReLU6: return torch::hardtanh(y, 0, 6);
+    case ops::NormAct::SiLU: return torch::silu(y);
+    case ops::NormAct::HardSwish: return torch::hardswish(y);
+  }
+  return y;
+}
+
+double rel_err(const at::Tensor& a, const at::Tensor& b) {
+  return (a - b).abs().max().item<double>() / std::max(1e-12, b.abs().max().item<double>());
+}
+
+}  // namespace
+
+TEST_CASE("training fusion: BatchNorm + residual + activation in one kernel equals torch's ops, forward and backward",
+          "[ops][models]") {
+  using ops::NormAct;
+  // shapes: tails of the 16-lane and 64-row blocks, a plane longer than a 1,024-value chunk,
+  // 1x1 maps (both layouts at once), and a large mean against a small spread (shifted sums)
+  struct Case {
+    std::vector<int64_t> shape;
+    double offset, spread;
+  };
+  const Case cases[] = {{{3, 19, 7, 5}, 0.0, 1.0}, {{2, 8, 40, 33}, 0.5, 2.0}, {{4, 24, 1, 1}, 0.0, 1.0},
+                        {{2, 5, 9, 9}, 50.0, 0.1}};
+  for (const auto& cs : cases)
+    for (auto act : {NormAct::None, NormAct::ReLU, NormAct::ReLU6, NormAct::SiLU, NormAct::HardSwish})
+      for (bool res : {false, true})
+        for (bool cl : {false, true}) {
+          INFO("shape " << cs.shape << " act " << int(act) << " residual " << res << " channels-last " << cl);
+          torch::manual_seed(3);
+          const int64_t C = cs.shape[1];
+          auto fmt = cl ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
+          auto x0 = (torch::randn(cs.shape) * cs.spread + cs.offset).contiguous(fmt);
+          auto r0 = res ? (torch::randn(cs.shape) * 3).contiguous(fmt) : at::Tensor();
+          auto w0 = torch::rand({C}) + 0.5, b0 = torch::randn({C}) * 2;  // pre-activations on both sides of the kinks
+          auto gout = torch::randn(cs.shape).contiguous(fmt);
+          const auto rm0 = torch::randn({C}), rv0 = torch::rand({C}) + 0.5;
+          auto run = [&](bool fused, at::Tensor& rm, at::Tensor& rv) {
+            auto x = x0.clone().requires_grad_(true), w = w0.clone().requires_grad_(true);
+            auto b = b0.clone().requires_grad_(true);
+            auto r = res ? r0.clone().requires_grad_(true) : at::Tensor();
+            rm = rm0.clone();
+            rv = rv0.clone();
+            REQUIRE(ops::batch_norm_act_supported(x, r));
+            auto y = fused ? ops::batch_norm_act_train(x, w, b, rm, rv, 0.1, 1e-5, act, r)
+                           : bn_act_reference(x, w, b, rm, rv, 0.1, 1e-5, act, r);
+            y.backward(gout);
+            std::vector<at::Tensor> out{y.detach(), x.grad(), w.grad(), b.grad()};
+            if (res) out.push_back(r.grad());
+            return out;
+          };
+          at::Tensor rm1, rv1, rm2, rv2;
+          const auto want = run(false, rm1, rv1);
+          const auto got = run(true, rm2, rv2);
+          CHECK(got[0].is_contiguous(fmt));
+          CHECK(got[1].is_contiguous(fmt));
+          const char* what[] = {"output", "grad x", "grad weight", "grad bias", "grad residual"};
+          for (size_t i = 0; i < want.size(); ++i) {
+            INFO(what[i]);
+            CHECK(rel_err(got[i], want[i]) < 2e-4);
+          }
+          CHECK(rel_err(rm2, rm1) < 1e-5);
+          CHECK(rel_err(rv2, rv1) < 1e-4);
+        }
+  // the bits do not depend on the number of threads (fixed blocks, fixed order of the sums)
+  for (bool cl : {false, true}) {
+    torch::manual_seed(4);
+    auto fmt = cl ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
+    auto x0 = torch::randn({4, 32, 30, 30}).contiguous(fmt), g = torch::randn({4, 32, 30, 30}).contiguous(fmt);
+    auto res = torch::randn({4, 32, 30, 30}).contiguous(fmt);
+    auto run = [&](int threads) {
+      const int before = at::get_num_threads();
+      at::set_num_threads(threads);
+      auto x = x0.clone().requires_grad_(true);
+      auto w = torch::ones({32}).requires_grad_(true), b = torch::zeros({32}).requires_grad_(true);
+      auto rm = torch::zeros({32}), rv = torch::ones({32});
+      auto y = ops::batch_norm_act_train(x, w, b, rm, rv, 0.1, 1e-5, NormAct::SiLU, res);
+      y.backward(g);
+      at::set_num_threads(before);
+      return std::vector<at::Tensor>{y.detach(), x.grad(), w.grad(), rm, rv};
+    };
+    const auto one = run(1), two = run(2), three = run(3);
+    for (size_t i = 0; i < one.size(); ++i) {
+      CHECK(torch::equal(one[i], two[i]));
+      CHECK(torch::equal(one[i], three[i]));
+    }
+  }
+  // what the kernel does not take: the caller keeps torch's modules
+  CHECK_FALSE(ops::batch_norm_act_supported(torch::randn({2, 3, 4, 4}).to(at::kDouble), {}));
+  CHECK_FALSE(ops::batch_norm_act_supported(torch::randn({2, 3, 4, 4}).transpose(2, 3), {}));
+  CHECK_FALSE(ops::batch_norm_act_supported(torch::randn({1, 3, 1, 1}), {}));
+  CHECK_FALSE(ops::batch_norm_act_supported(torch::randn({2, 3, 4, 4}),
+                                            torch::randn({2, 3, 4, 4}).contiguous(at::MemoryFormat::ChannelsLast)));
+}
+
+TEST_CASE("training fusion in the zoo: a step is as close to float64 as torch's float32 modules are", "[models]") {
+  // Reference: the same step with torch's modules in float64. The fused float32 step must be as
+  // accurate as the modules' float32 step (whose rounding is the yardstick: some of these
+  // quantities are zero in exact arithmetic, e.g. the bias gradient of a BatchNorm that feeds only
+  // another BatchNorm, and are pure rounding in float32 either way).
+  for (const char* name : {"resnet18", "resnet50d", "efficientnet_b0", "mobilenetv3_large_100", "mobilenetv2_100"})
+    for (bool cl : {false, true}) {
+      INFO(name << (cl ? " channels-last" : " NCHW"));
+      auto run = [&](bool fuse, at::ScalarType dtype) {
+        torch::manual_seed(2);
+        ModelArgs a;
+        a.num_classes = 7;
+        auto m = model_zoo::create_model(name, a);
+        m->to(dtype);
+        if (cl) engine::to_channels_last(*m);
+        set_training_fusion(*m, fuse);
+        m->train();
+        auto x = torch::randn({3, 3, 48, 48}).to(dtype);
+        if (cl) x = x.contiguous(at::MemoryFormat::ChannelsLast);
+        auto y = m->forward(x);
+        torch::nn::functional::cross_entropy(y, torch::tensor({1, 4, 6})).backward();
+        std::vector<std::pair<std::string, at::Tensor>> out{{"logits", y.detach().to(at::kDouble)}};
+        for (auto& p : m->named_parameters()) out.emplace_back("grad " + p.key(), p.value().grad().to(at::kDouble));
+        for (auto& b : m->named_buffers()) out.emplace_back(b.key(), b.value().clone());
+        return out;
+      };
+      const auto ref = run(false, at::kDouble), plain = run(false, at::kFloat), fused = run(true, at::kFloat),
+                 again = run(true, at::kFloat);
+      REQUIRE(ref.size() == fused.size());
+      double grad_scale = 0;
+      for (const auto& [n, t] : ref)
+        if (n.rfind("grad ", 0) == 0) grad_scale = std::max(grad_scale, t.abs().max().item<double>());
+      bool differs = false;
+      for (size_t i = 0; i < ref.size(); ++i) {
+        INFO(ref[i].first);
+        const auto& want = ref[i].second;
+        if (want.scalar_type() == at::kLong) {
+          CHECK(torch::equal(want, fused[i].second));  // num_batches_tracked moved once
+          continue;
+        }
+        const double floor = 1e-3 * (ref[i].first.rfind("grad ", 0) == 0 ? grad_scale : 1.0);
+        const double denom = std::max(want.abs().max().item<double>(), floor);
+        const double e_fused = (fused[i].second.to(at::kDouble) - want).abs().max().item<double>() / denom;
+        const double e_plain = (plain[i].second.to(at::kDouble) - want).abs().max().item<double>() / denom;
+        INFO("error against float64: fused " << e_fused << ", modules " << e_plain);
+        CHECK(e_fused <= 4 * e_plain + 1e-4);
+        CHECK(torch::equal(fused[i].second, again[i].second));  // deterministic
+        differs = differs || !torch::equal(fused[i].second, plain[i].second);
+      }
+      CHECK(differs);  // the fused kernel did run
+    }
 }

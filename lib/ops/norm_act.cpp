@@ -1,0 +1,566 @@
+#include "ops/norm_act.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/autograd.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <stdexcept>
+#include <vector>
+
+namespace imgtrain::ops {
+namespace {
+
+// The loops below are plain C++ that the compiler vectorises; on x86-64 GCC builds each hot
+// function also gets an AVX2+FMA clone picked at load time (the baseline build is SSE2 only).
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define IMGTRAIN_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define IMGTRAIN_CLONES
+#endif
+#define IMGTRAIN_AI inline __attribute__((always_inline))
+
+constexpr int64_t kRowBlock = 64;      // channels-last statistics: rows per float partial sum
+constexpr int64_t kPlaneChunk = 1024;  // NCHW statistics: elements per float partial sum
+constexpr int kLanes = 16;             // independent float accumulators along a plane
+
+// exp(x) within ~1 ulp for x in [-87, 88] (clamped there), Cephes' expf: n = floor(x log2 e + 1/2)
+// by truncation of a positive number, x - n ln 2 in two parts, a degree-6 polynomial, 2^n through
+// the exponent bits. No branches and no library call, so loops over it vectorise.
+IMGTRAIN_AI float exp_approx(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const int32_t n = int32_t(x * 1.44269504088896341f + 0.5f + 128.0f) - 128;
+  const float fn = float(n);
+  float r = x - fn * 0.693359375f;
+  r = r + fn * 2.12194440e-4f;
+  const float z = r * r;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * z + r + 1.0f;
+  return y * std::bit_cast<float>((n + 127) << 23);
+}
+
+template <NormAct A>
+IMGTRAIN_AI float act_fwd(float v) {
+  if constexpr (A == NormAct::None) return v;
+  if constexpr (A == NormAct::ReLU) return std::max(v, 0.0f);
+  if constexpr (A == NormAct::ReLU6) return std::min(std::max(v, 0.0f), 6.0f);
+  if constexpr (A == NormAct::SiLU) return v / (1.0f + exp_approx(-v));
+  if constexpr (A == NormAct::HardSwish) return v * std::min(std::max(v + 3.0f, 0.0f), 6.0f) / 6.0f;
+}
+
+// d act / d v at the pre-activation v, as torch's backward formulas: ReLU's mask is v > 0, ReLU6
+// (hardtanh) passes 0 < v < 6, hard-swish is v / 3 + 1/2 on [-3, 3].
+template <NormAct A>
+IMGTRAIN_AI float act_grad(float v) {
+  if constexpr (A == NormAct::None) return 1.0f;
+  if constexpr (A == NormAct::ReLU) return v > 0.0f ? 1.0f : 0.0f;
+  if constexpr (A == NormAct::ReLU6) return (v > 0.0f && v < 6.0f) ? 1.0f : 0.0f;
+  if constexpr (A == NormAct::SiLU) {
+    const float s = 1.0f / (1.0f + exp_approx(-v));
+    return s * (1.0f + v * (1.0f - s));
+  }
+  if constexpr (A == NormAct::HardSwish) return v < -3.0f ? 0.0f : (v <= 3.0f ? v / 3.0f + 0.5f : 1.0f);
+}
+
+// ---- channels-last: `rows` rows of C contiguous channels ----
+
+IMGTRAIN_CLONES void cl_stats(const float* x, const float* k, int64_t rows, int64_t C, float* __restrict__ s,
+                              float* __restrict__ q) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* xr = x + i * C;
+    for (int64_t c = 0; c < C; ++c) {
+      const float d = xr[c] - k[c];
+      s[c] += d;
+      q[c] += d * d;
+    }
+  }
+}
+
+template <NormAct A, bool R>
+IMGTRAIN_AI void cl_fwd_t(const float* x, const float* r, float* __restrict__ out, int64_t rows, int64_t C, const float* scale,
+                          const float* shift, const float* mean) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* xr = x + i * C;
+    float* o = out + i * C;
+    const float* rr = R ? r + i * C : nullptr;
+    for (int64_t c = 0; c < C; ++c) {
+      float v = (xr[c] - mean[c]) * scale[c] + shift[c];
+      if constexpr (R) v += rr[c];
+      o[c] = act_fwd<A>(v);
+    }
+  }
+}
+
+// gy = g * act'(pre) with pre = (x - mean) * scale + shift (+ r); sums of gy and gy * (x - mean) per channel;
+// gy stored when `gy_out` is given (the residual's gradient).
+template <NormAct A, bool R>
+IMGTRAIN_AI void cl_bwd1_t(const float* g, const float* x, const float* r, float* __restrict__ gy_out, int64_t rows,
+                           int64_t C, const float* scale, const float* shift, const float* mean,
+                           float* __restrict__ sg, float* __restrict__ sgx) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* gr = g + i * C;
+    const float* xr = x + i * C;
+    const float* rr = R ? r + i * C : nullptr;
+    float* gyr = R ? gy_out + i * C : nullptr;
+    for (int64_t c = 0; c < C; ++c) {
+      float gy = gr[c];
+      if constexpr (A != NormAct::None) {
+        float v = (xr[c] - mean[c]) * scale[c] + shift[c];
+        if constexpr (R) v += rr[c];
+        gy *= act_grad<A>(v);
+      }
+      if constexpr (R) gyr[c] = gy;
+      sg[c] += gy;
+      sgx[c] += gy * (xr[c] - mean[c]);
+    }
+  }
+}
+
+// gx = a * gy + b * (x - mean) + d, gy read back (residual: stored by pass 1) or recomputed from g.
+template <NormAct A, bool R>
+IMGTRAIN_AI void cl_bwd2_t(const float* g, const float* x, const float* gy_in, float* __restrict__ gx, int64_t rows, int64_t C,
+                           const float* scale, const float* shift, const float* mean, const float* a, const float* b,
+                           const float* d) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* xr = x + i * C;
+    float* o = gx + i * C;
+    if constexpr (R) {
+      const float* gyr = gy_in + i * C;
+      for (int64_t c = 0; c < C; ++c) o[c] = a[c] * gyr[c] + b[c] * (xr[c] - mean[c]) + d[c];
+    } else {
+      const float* gr = g + i * C;
+      for (int64_t c = 0; c < C; ++c) {
+        float gy = gr[c];
+        if constexpr (A != NormAct::None) gy *= act_grad<A>((xr[c] - mean[c]) * scale[c] + shift[c]);
+        o[c] = a[c] * gy + b[c] * (xr[c] - mean[c]) + d[c];
+      }
+    }
+  }
+}
+
+// ---- NCHW: one plane of `n` contiguous values of one channel ----
+
+IMGTRAIN_CLONES void cf_stats(const float* p, int64_t n, float k, double& S, double& Q) {
+  for (int64_t start = 0; start < n; start += kPlaneChunk) {
+    const int64_t len = std::min(kPlaneChunk, n - start);
+    const float* x = p + start;
+    float s[kLanes] = {}, q[kLanes] = {};
+    int64_t i = 0;
+    for (; i + kLanes <= len; i += kLanes)
+      for (int l = 0; l < kLanes; ++l) {
+        const float d = x[i + l] - k;
+        s[l] += d;
+        q[l] += d * d;
+      }
+    for (; i < len; ++i) {
+      const float d = x[i] - k;
+      s[0] += d;
+      q[0] += d * d;
+    }
+    float ss = 0, qq = 0;
+    for (int l = 0; l < kLanes; ++l) ss += s[l], qq += q[l];
+    S += ss;
+    Q += qq;
+  }
+}
+
+template <NormAct A, bool R>
+IMGTRAIN_AI void cf_fwd_t(const float* x, const float* r, float* __restrict__ out, int64_t n, float scale, float shift,
+                          float mean) {
+  for (int64_t i = 0; i < n; ++i) {
+    float v = (x[i] - mean) * scale + shift;
+    if constexpr (R) v += r[i];
+    out[i] = act_fwd<A>(v);
+  }
+}
+
+template <NormAct A, bool R>
+IMGTRAIN_AI float cf_gy(const float* g, const float* x, const float* r, int64_t j, float scale, float shift,
+                        float mean) {
+  float gy = g[j];
+  if constexpr (A != NormAct::None) {
+    float v = (x[j] - mean) * scale + shift;
+    if constexpr (R) v += r[j];
+    gy *= act_grad<A>(v);
+  }
+  return gy;
+}
+
+template <NormAct A, bool R>
+IMGTRAIN_AI void cf_bwd1_t(const float* g, const float* x, const float* r, float* __restrict__ gy_out, int64_t n,
+                           float scale, float shift, float mean, double& SG, double& SGX) {
+  for (int64_t start = 0; start < n; start += kPlaneChunk) {
+    const int64_t end = start + std::min(kPlaneChunk, n - start);
+    float sg[kLanes] = {}, sgx[kLanes] = {};
+    int64_t i = start;
+    for (; i + kLanes <= end; i += kLanes)
+      for (int l = 0; l < kLanes; ++l) {
+        const float gy = cf_gy<A, R>(g, x, r, i + l, scale, shift, mean);
+        if constexpr (R) gy_out[i + l] = gy;
+        sg[l] += gy;
+        sgx[l] += gy * (x[i + l] - mean);
+      }
+    for (; i < end; ++i) {
+      const float gy = cf_gy<A, R>(g, x, r, i, scale, shift, mean);
+      if constexpr (R) gy_out[i] = gy;
+      sg[0] += gy;
+      sgx[0] += gy * (x[i] - mean);
+    }
+    float a = 0, b = 0;
+    for (int l = 0; l < kLanes; ++l) a += sg[l], b += sgx[l];
+    SG += a;
+    SGX += b;
+  }
+}
+
+template <NormAct A, bool R>
+IMGTRAIN_AI void cf_bwd2_t(const float* g, const float* x, const float* gy_in, float* __restrict__ gx, int64_t n, float scale,
+                           float shift, float mean, float a, float b, float d) {
+  for (int64_t i = 0; i < n; ++i) {
+    float gy;
+    if constexpr (R) {
+      gy = gy_in[i];
+    } else {
+      gy = g[i];
+      if constexpr (A != NormAct::None) gy *= act_grad<A>((x[i] - mean) * scale + shift);
+    }
+    gx[i] = a * gy + b * (x[i] - mean) + d;
+  }
+}
+
+// One clone-dispatched entry per kernel, switching on the activation and the residual outside
+// the loops.
+#define IMGTRAIN_DISPATCH(act, res, CALL)                                         \
+  switch (act) {                                                                 \
+    case NormAct::None: res ? CALL(NormAct::None, true) : CALL(NormAct::None, false); break;           \
+    case NormAct::ReLU: res ? CALL(NormAct::ReLU, true) : CALL(NormAct::ReLU, false); break;           \
+    case NormAct::ReLU6: res ? CALL(NormAct::ReLU6, true) : CALL(NormAct::ReLU6, false); break;        \
+    case NormAct::SiLU: res ? CALL(NormAct::SiLU, true) : CALL(NormAct::SiLU, false); break;           \
+    case NormAct::HardSwish: res ? CALL(NormAct::HardSwish, true) : CALL(NormAct::HardSwish, false); break; \
+  }
+
+IMGTRAIN_CLONES void cl_fwd(NormAct act, const float* x, const float* r, float* out, int64_t rows, int64_t C,
+                            const float* scale, const float* shift, const float* mean) {
+#define CALL(A, R) cl_fwd_t<A, R>(x, r, out, rows, C, scale, shift, mean)
+  IMGTRAIN_DISPATCH(act, r != nullptr, CALL)
+#undef CALL
+}
+IMGTRAIN_CLONES void cl_bwd1(NormAct act, const float* g, const float* x, const float* r, float* gy, int64_t rows,
+                             int64_t C, const float* scale, const float* shift, const float* mean, float* sg, float* sgx) {
+#define CALL(A, R) cl_bwd1_t<A, R>(g, x, r, gy, rows, C, scale, shift, mean, sg, sgx)
+  IMGTRAIN_DISPATCH(act, r != nullptr, CALL)
+#undef CALL
+}
+IMGTRAIN_CLONES void cl_bwd2(NormAct act, bool res, const float* g, const float* x, const float* gy, float* gx,
+                             int64_t rows, int64_t C, const float* scale, const float* shift, const float* mean,
+                             const float* a, const float* b, const float* d) {
+#define CALL(A, R) cl_bwd2_t<A, R>(g, x, gy, gx, rows, C, scale, shift, mean, a, b, d)
+  IMGTRAIN_DISPATCH(act, res, CALL)
+#undef CALL
+}
+IMGTRAIN_CLONES void cf_fwd(NormAct act, const float* x, const float* r, float* out, int64_t n, float scale,
+                            float shift, float mean) {
+#define CALL(A, R) cf_fwd_t<A, R>(x, r, out, n, scale, shift, mean)
+  IMGTRAIN_DISPATCH(act, r != nullptr, CALL)
+#undef CALL
+}
+IMGTRAIN_CLONES void cf_bwd1(NormAct act, const float* g, const float* x, const float* r, float* gy, int64_t n,
+                             float scale, float shift, float mean, double& SG, double& SGX) {
+#define CALL(A, R) cf_bwd1_t<A, R>(g, x, r, gy, n, scale, shift, mean, SG, SGX)
+  IMGTRAIN_DISPATCH(act, r != nullptr, CALL)
+#undef CALL
+}
+IMGTRAIN_CLONES void cf_bwd2(NormAct act, bool res, const float* g, const float* x, const float* gy, float* gx,
+                             int64_t n, float scale, float shift, float mean, float a, float b, float d) {
+#define CALL(A, R) cf_bwd2_t<A, R>(g, x, gy, gx, n, scale, shift, mean, a, b, d)
+  IMGTRAIN_DISPATCH(act, res, CALL)
+#undef CALL
+}
+#undef IMGTRAIN_DISPATCH
+
+// The geometry of a supported input: channels-last rows of C, or N planes of HW per channel.
+struct Geometry {
+  bool channels_last;
+  int64_t N, C, HW;
+  int64_t count() const { return N * HW; }  // values per channel
+};
+
+Geometry geometry(const at::Tensor& x) {
+  return {x.is_contiguous(at::MemoryFormat::ChannelsLast), x.size(0), x.size(1), x.size(2) * x.size(3)};
+}
+
+at::Tensor in_layout(const at::Tensor& t, const Geometry& g) {
+  return t.contiguous(g.channels_last ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous);
+}
+
+// Per-channel sums over every value of x: channels-last in fixed blocks of rows (float partials,
+// added in block order in double), NCHW per channel plane by plane. Both orders are fixed, so the
+// result does not depend on the number of threads. `fn(block or plane, ...)` does the work.
+// Channels-last data seen as rows of W = k * C values (k consecutive pixels), so that the loops
+// over a row are long enough to vectorise well when C is small (16 channels would be two AVX2
+// vectors per row); per-channel arrays are repeated k times (repeat). The last pixels, fewer than
+// k, are one row of `tail` values.
+struct Wide {
+  int64_t k, W, rows, tail;
+};
+
+Wide wide(const Geometry& g) {
+  const int64_t k = std::max<int64_t>(1, 512 / g.C), pixels = g.N * g.HW;
+  return {k, k * g.C, pixels / k, (pixels % k) * g.C};
+}
+
+std::vector<float> repeat(const float* p, int64_t C, const Wide& w) {
+  std::vector<float> out(size_t(w.W));
+  for (int64_t j = 0; j < w.k; ++j) std::copy(p, p + C, out.begin() + j * C);
+  return out;
+}
+
+// Per-channel sums over every value of x: channels-last in fixed blocks of wide rows (float
+// partials, added in block order in double), NCHW per channel plane by plane. Both orders are
+// fixed, so the result does not depend on the number of threads.
+//   cl_block(offset, rows, width, s, q): adds the sums of `rows` rows of `width` values at
+//   `offset` into s[0..width) and q[0..width); cf_channel(c, S, Q): one channel's sums.
+template <typename PartialFn>
+void channel_sums(const Geometry& g, std::vector<double>& A, std::vector<double>& B, PartialFn&& cl_block,
+                  const std::function<void(int64_t c, double&, double&)>& cf_channel) {
+  const int64_t C = g.C;
+  A.assign(C, 0.0);
+  B.assign(C, 0.0);
+  if (g.channels_last) {
+    const auto w = wide(g);
+    const int64_t full = (w.rows + kRowBlock - 1) / kRowBlock, blocks = full + (w.tail ? 1 : 0);
+    const int64_t W = w.W;
+    std::vector<float> part(size_t(blocks * 2 * W), 0.0f);
+    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t blk = b0; blk < b1; ++blk) {
+        float* s = part.data() + blk * 2 * W;
+        if (blk == full) {
+          cl_block(w.rows * W, 1, w.tail, s, s + W);
+        } else {
+          const int64_t r0 = blk * kRowBlock;
+          cl_block(r0 * W, std::min(kRowBlock, w.rows - r0), W, s, s + W);
+        }
+      }
+    });
+    at::parallel_for(0, C, 16, [&](int64_t c0, int64_t c1) {
+      for (int64_t blk = 0; blk < blocks; ++blk)
+        for (int64_t j = 0; j < w.k; ++j)
+          for (int64_t c = c0; c < c1; ++c) {
+            A[c] += part[blk * 2 * W + j * C + c];
+            B[c] += part[blk * 2 * W + W + j * C + c];
+          }
+    });
+  } else {
+    at::parallel_for(0, C, 1, [&](int64_t c0, int64_t c1) {
+      for (int64_t c = c0; c < c1; ++c) cf_channel(c, A[c], B[c]);
+    });
+  }
+}
+
+// Elementwise over every value: channels-last by wide rows, cl(offset, rows, width); NCHW by
+// (n, c) planes, cf(n, c).
+void elementwise(const Geometry& g, const std::function<void(int64_t off, int64_t rows, int64_t width)>& cl,
+                 const std::function<void(int64_t n, int64_t c)>& cf) {
+  if (g.channels_last) {
+    const auto w = wide(g);
+    at::parallel_for(0, w.rows, std::max<int64_t>(1, 32768 / w.W),
+                     [&](int64_t r0, int64_t r1) { cl(r0 * w.W, r1 - r0, w.W); });
+    if (w.tail) cl(w.rows * w.W, 1, w.tail);
+  } else {
+    at::parallel_for(0, g.N * g.C, std::max<int64_t>(1, 32768 / std::max<int64_t>(1, g.HW)), [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) cf(p / g.C, p % g.C);
+    });
+  }
+}
+
+// scale = weight * invstd and shift = bias: the kernels compute (x - mean) * scale + shift, which
+// keeps ATen's exact cancellation of x - mean (a channel of near-constant values normalises to
+// its bias, not to rounding noise of x * scale - mean * scale).
+std::vector<float> scale_shift(const at::Tensor& w, const at::Tensor& b, const at::Tensor& mean,
+                               const at::Tensor& invstd, std::vector<float>& shift) {
+  const int64_t C = w.numel();
+  auto wc = w.contiguous(), bc = b.contiguous();
+  const float *wp = wc.data_ptr<float>(), *bp = bc.data_ptr<float>();
+  const float* ip = invstd.data_ptr<float>();
+  std::vector<float> scale(C);
+  shift.resize(C);
+  for (int64_t c = 0; c < C; ++c) {
+    const double s = double(wp[c]) * double(ip[c]);
+    scale[c] = float(s);
+    shift[c] = bp[c];
+  }
+  return scale;
+}
+
+// Autograd's custom functions take defined tensors only: no residual is an empty one.
+bool has_residual(const at::Tensor& r) { return r.defined() && r.numel() > 0; }
+
+struct BnActFunction : torch::autograd::Function<BnActFunction> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const at::Tensor& bias, const at::Tensor& residual, const at::Tensor& mean,
+                            const at::Tensor& invstd, int64_t act_code) {
+    const auto g = geometry(x);
+    const auto act = NormAct(act_code);
+    std::vector<float> shift;
+    const auto scale = scale_shift(weight, bias, mean, invstd, shift);
+    auto out = at::empty_like(x);
+    const float* xp = x.data_ptr<float>();
+    const float* rp = has_residual(residual) ? residual.data_ptr<float>() : nullptr;
+    float* op = out.data_ptr<float>();
+    const float* mp = mean.data_ptr<float>();
+    const int64_t C = g.C, HW = g.HW;
+    const auto w = wide(g);
+    const auto scale_w = repeat(scale.data(), C, w), shift_w = repeat(shift.data(), C, w), mean_w = repeat(mp, C, w);
+    elementwise(
+        g,
+        [&](int64_t off, int64_t rows, int64_t width) {
+          cl_fwd(act, xp + off, rp ? rp + off : nullptr, op + off, rows, width, scale_w.data(), shift_w.data(),
+                 mean_w.data());
+        },
+        [&](int64_t n, int64_t c) {
+          const int64_t off = (n * C + c) * HW;
+          cf_fwd(act, xp + off, rp ? rp + off : nullptr, op + off, HW, scale[c], shift[c], mp[c]);
+        });
+    ctx->save_for_backward({x, weight, bias, residual, mean, invstd});
+    ctx->saved_data["act"] = act_code;
+    return out;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &x = saved[0], &weight = saved[1], &bias = saved[2], &residual = saved[3], &mean = saved[4],
+               &invstd = saved[5];
+    const auto act = NormAct(ctx->saved_data["act"].toInt());
+    const auto g = geometry(x);
+    const auto grad = in_layout(grads[0], g);
+    std::vector<float> shift;
+    const auto scale = scale_shift(weight, bias, mean, invstd, shift);
+    const bool res = has_residual(residual);
+    at::Tensor gy = res ? at::empty_like(x) : at::Tensor();
+    const float *gp = grad.data_ptr<float>(), *xp = x.data_ptr<float>();
+    const float* rp = res ? residual.data_ptr<float>() : nullptr;
+    float* gyp = res ? gy.data_ptr<float>() : nullptr;
+    const float* mp = mean.data_ptr<float>();
+    const int64_t C = g.C, HW = g.HW;
+    std::vector<double> SG, SGX;
+    const auto w = wide(g);
+    const auto scale_w = repeat(scale.data(), C, w), shift_w = repeat(shift.data(), C, w), mean_w = repeat(mp, C, w);
+    channel_sums(
+        g, SG, SGX,
+        [&](int64_t off, int64_t rows, int64_t width, float* sg, float* sgx) {
+          cl_bwd1(act, gp + off, xp + off, rp ? rp + off : nullptr, gyp ? gyp + off : nullptr, rows, width,
+                  scale_w.data(), shift_w.data(), mean_w.data(), sg, sgx);
+        },
+        [&](int64_t c, double& sg, double& sgx) {
+          for (int64_t n = 0; n < g.N; ++n) {
+            const int64_t off = (n * C + c) * HW;
+            cf_bwd1(act, gp + off, xp + off, rp ? rp + off : nullptr, gyp ? gyp + off : nullptr, HW, scale[c],
+                    shift[c], mp[c], sg, sgx);
+          }
+        });
+    const double M = double(g.count());
+    auto wc = weight.contiguous();
+    const float* wp = wc.data_ptr<float>();
+    const float* ip = invstd.data_ptr<float>();
+    auto gw = at::empty({C}, x.options()), gb = at::empty({C}, x.options());
+    std::vector<float> a(C), b(C), d(C);
+    for (int64_t c = 0; c < C; ++c) {
+      const double is = ip[c], ai = double(wp[c]) * is;
+      const double k = ai * is * is * SGX[c] / M;  // w invstd^3 sum(gy (x - mean)) / M
+      a[c] = float(ai);
+      b[c] = float(-k);
+      d[c] = float(-ai * SG[c] / M);
+      gw.data_ptr<float>()[c] = float(SGX[c] * is);
+      gb.data_ptr<float>()[c] = float(SG[c]);
+    }
+    auto gx = at::empty_like(x);
+    float* gxp = gx.data_ptr<float>();
+    const auto a_w = repeat(a.data(), C, w), b_w = repeat(b.data(), C, w), d_w = repeat(d.data(), C, w);
+    elementwise(
+        g,
+        [&](int64_t off, int64_t rows, int64_t width) {
+          cl_bwd2(act, res, gp + off, xp + off, gyp ? gyp + off : nullptr, gxp + off, rows, width, scale_w.data(),
+                  shift_w.data(), mean_w.data(), a_w.data(), b_w.data(), d_w.data());
+        },
+        [&](int64_t n, int64_t c) {
+          const int64_t off = (n * C + c) * HW;
+          cf_bwd2(act, res, gp + off, xp + off, gyp ? gyp + off : nullptr, gxp + off, HW, scale[c], shift[c], mp[c],
+                  a[c], b[c], d[c]);
+        });
+    return {gx, gw, gb, res ? gy : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+bool batch_norm_act_supported(const at::Tensor& x, const at::Tensor& residual) {
+  if (!x.defined() || x.dim() != 4 || !x.device().is_cpu() || x.scalar_type() != at::kFloat || x.size(1) == 0)
+    return false;
+  if (x.size(0) * x.size(2) * x.size(3) < 2) return false;
+  const bool cl = x.is_contiguous(at::MemoryFormat::ChannelsLast);
+  if (!cl && !x.is_contiguous()) return false;
+  if (!residual.defined()) return true;
+  return residual.sizes() == x.sizes() && residual.device().is_cpu() && residual.scalar_type() == at::kFloat &&
+         (cl ? residual.is_contiguous(at::MemoryFormat::ChannelsLast) : residual.is_contiguous());
+}
+
+at::Tensor batch_norm_act_train(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                                const at::Tensor& running_mean, const at::Tensor& running_var, double momentum,
+                                double eps, NormAct act, const at::Tensor& residual) {
+  if (!batch_norm_act_supported(x, residual))
+    throw std::invalid_argument("batch_norm_act_train: unsupported input (float32 CPU 4-D, NCHW or channels-last)");
+  const auto g = geometry(x);
+  const int64_t C = g.C, HW = g.HW;
+  // the statistics: sums of x - k with k = the channel's first value (shifted sums keep the
+  // variance exact when the mean is large against the spread)
+  std::vector<float> k(C);
+  at::Tensor mean, invstd;
+  {
+    at::NoGradGuard no_grad;
+    const float* xp = x.data_ptr<float>();
+    for (int64_t c = 0; c < C; ++c) k[c] = g.channels_last ? xp[c] : xp[c * HW];
+    const auto k_w = repeat(k.data(), C, wide(g));
+    std::vector<double> S, Q;
+    channel_sums(
+        g, S, Q,
+        [&](int64_t off, int64_t rows, int64_t width, float* s, float* q) {
+          cl_stats(xp + off, k_w.data(), rows, width, s, q);
+        },
+        [&](int64_t c, double& s, double& q) {
+          for (int64_t n = 0; n < g.N; ++n) cf_stats(xp + (n * C + c) * HW, HW, k[c], s, q);
+        });
+    const double M = double(g.count());
+    mean = at::empty({C}, x.options());
+    invstd = at::empty({C}, x.options());
+    float *mp = mean.data_ptr<float>(), *ip = invstd.data_ptr<float>();
+    const bool update = running_mean.defined() && running_var.defined();
+    float* rm = update ? running_mean.data_ptr<float>() : nullptr;
+    float* rv = update ? running_var.data_ptr<float>() : nullptr;
+    for (int64_t c = 0; c < C; ++c) {
+      const double ms = S[c] / M;
+      const double var = std::max(0.0, Q[c] / M - ms * ms);
+      const double mu = double(k[c]) + ms;
+      mp[c] = float(mu);
+      ip[c] = float(1.0 / std::sqrt(var + eps));
+      if (update) {
+        rm[c] = float(momentum * mu + (1.0 - momentum) * double(rm[c]));
+        rv[c] = float(momentum * var * M / (M - 1.0) + (1.0 - momentum) * double(rv[c]));
+      }
+    }
+  }
+  return BnActFunction::apply(x, weight, bias, residual.defined() ? residual : at::empty({0}, x.options()), mean,
+                              invstd, int64_t(act));
+}
+
+}  // namespace imgtrain::ops

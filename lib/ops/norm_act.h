@@ -1,0 +1,30 @@
+// Training-mode BatchNorm fused with what follows it in a conv block: the optional residual add and
+// the activation, act(batch_norm(x) + residual), forward and backward through autograd, in two
+// passes over memory each way instead of the four to six of separate ATen ops (statistics,
+// normalise, add, activation; and their backwards). CPU float32, NCHW or channels-last; other
+// inputs are not taken (batch_norm_act_supported says which), and the caller keeps torch's modules
+// for those.
+//
+// Numerics: the statistics are shifted sums (x - x[first]) in float over fixed blocks, added in
+// double in a fixed order, so a run gives the same bits whatever the thread count; they differ
+// from ATen's two-pass double sums by float rounding, as does the normalisation
+// ((x - mean) * scale + bias with scale = weight / sqrt(var + eps)). The running statistics are updated as torch does
+// (momentum, unbiased variance). SiLU uses an exp of ~1 ulp accuracy that vectorises.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+namespace imgtrain::ops {
+
+enum class NormAct { None, ReLU, ReLU6, SiLU, HardSwish };
+
+// Whether batch_norm_act_train takes x (and residual, when defined): float32 on the CPU, 4-D,
+// contiguous or channels-last, a residual of x's sizes and strides, at least two values per channel.
+bool batch_norm_act_supported(const at::Tensor& x, const at::Tensor& residual);
+
+// act(batch_norm(x) + residual) with batch statistics; running_mean / running_var (float32, [C])
+// updated in place with `momentum` as torch's BatchNorm2d does. weight and bias: [C], defined.
+at::Tensor batch_norm_act_train(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                                const at::Tensor& running_mean, const at::Tensor& running_var, double momentum,
+                                double eps, NormAct act, const at::Tensor& residual);
+
+}  // namespace imgtrain::ops
