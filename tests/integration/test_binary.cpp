@@ -646,7 +646,7 @@ TEST_CASE("the CI benchmark job: a suite's records, and a staged slowdown fails 
                     "IMGTRAIN_BENCH_SLOWDOWN 'abc'");
 }
 
-TEST_CASE("ci_bench.py: a bad suite, flag or results file is one line and exit 2; nothing measured is exit 1",
+TEST_CASE("ci_bench.py: a bad suite, flag or results file is one line and exit 2, nothing measured is exit 1",
           "[integration]") {
   test::TempDir out("cibenchbad");
   const std::string tool = kPython + " " + IMGTRAIN_SOURCE_DIR + "/bench/ci_bench.py";
@@ -970,9 +970,11 @@ TEST_CASE("pack: training from tar shards matches the folder, and Python-made sh
     auto rows = test::read_csv(out / ("run" + std::to_string(k) + "/summary.csv"));
     top1[k++] = std::stod(rows.back()[3]);
   }
-  // Shards are read in a different (shard-wise) order: the same accuracy within noise.
+  // Shards are read in a different (shard-wise) order: the same accuracy within the noise of two
+  // epochs on 2,000 images (the two orders differed by 6.4 points on one machine, by less on
+  // another); a shard reader that lost or mislabelled samples would stay near 10%.
   CHECK(top1[1] > 60.0);
-  CHECK(std::abs(top1[0] - top1[1]) < 5.0);
+  CHECK(std::abs(top1[0] - top1[1]) < 10.0);
   // Validation on the shards and on the folder: the same images in the same order.
   std::string v[3];
   k = 0;
