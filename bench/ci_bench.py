@@ -30,6 +30,7 @@ line on stderr, `ci_bench: ...`, and exit 2. Flags that start with a dash go to 
 """
 import argparse
 import json
+import math
 import os
 import platform
 import shlex
@@ -62,7 +63,7 @@ class UsageError(RuntimeError):
 
 
 ENTRY_KEYS = {'name': str, 'args': str, 'reference': str, 'cuda_graph': bool, 'compiled': bool}
-MODEL_BENCHES = ('both', 'train', 'inference', 'infer')
+MODEL_BENCHES = ('both', 'train', 'inference')
 
 
 def load_json_records(path):
@@ -77,6 +78,17 @@ def load_json_records(path):
     if not isinstance(records, list) or not all(isinstance(r, dict) and 'name' in r and 'mode' in r
                                                 for r in records):
         raise UsageError('{}: not a ci_bench results file (a list of records with name and mode)'.format(path))
+    seen = set()
+    for r in records:
+        key = (r['name'], r['mode'])
+        if key in seen:
+            raise UsageError('{}: {} {} appears twice'.format(path, *key))
+        seen.add(key)
+        for k in ('samples_per_sec', 'ratio', 'reference_samples_per_sec'):
+            if k in r and (isinstance(r[k], bool) or not isinstance(r[k], (int, float))):
+                raise UsageError('{}: {} {}: {} is not a number'.format(path, key[0], key[1], k))
+        if not isinstance(r.get('errors', {}), dict):
+            raise UsageError('{}: {} {}: errors is not a mapping'.format(path, *key))
     return records
 
 
@@ -180,6 +192,10 @@ def gpu_name():
     return 'unknown (no CUDA in this Python, no nvidia-smi)'
 
 
+def device_name(device):
+    return (device + ': ' + gpu_name()) if device.startswith('cuda') else (device + ': ' + cpu_name())
+
+
 def environment(imgtrain, device):
     """What the numbers depend on. The device is the one the commands were given, not this Python's."""
     version = subprocess.run([imgtrain, '--version'], stdout=subprocess.PIPE, text=True).stdout.strip()
@@ -191,7 +207,7 @@ def environment(imgtrain, device):
         torch_version, threads = torch.__version__, torch.get_num_threads()
     except ImportError:
         torch_version, threads = 'not installed', os.cpu_count()
-    name = (device + ': ' + gpu_name()) if device.startswith('cuda') else (device + ': ' + cpu_name())
+    name = device_name(device)
     return {'imgtrain_version': version, 'git_commit': commit or 'unknown', 'torch_version': torch_version,
             'device': name, 'threads': threads}
 
@@ -205,6 +221,17 @@ def arg_value(args, *names, default=None):
             elif a.startswith(n + '='):
                 value = a.split('=', 1)[1]
     return value
+
+
+def flag_on(args, name):
+    """A boolean flag as both command lines read it: --x, --x=true/false; the last occurrence wins."""
+    on = False
+    for a in args:
+        if a == name:
+            on = True
+        elif a.startswith(name + '='):
+            on = a.split('=', 1)[1].lower() in ('1', 'true', 'yes', 'on')
+    return on
 
 
 # The sides an entry measures: (side, extra flags, runs timm's script, runs after every other side
@@ -229,7 +256,7 @@ def make_records(entries, samples, extras, errors, env, opts):
     for e in entries:
         args = entry_args(e, opts)
         bench = arg_value(args, '--bench', default='both')
-        for mode in {'train': ('train',), 'inference': ('infer',), 'infer': ('infer',)}.get(bench, MODES):
+        for mode in {'train': ('train',), 'inference': ('infer',)}.get(bench, MODES):
             side = {s: samples.get((e['name'], mode, s), {}) for s in ('imgtrain', 'reference', 'graph', 'compiled')}
             ours = list(side['imgtrain'].values())
             errs = {s: m for (n, s), m in errors.items() if n == e['name']}
@@ -263,11 +290,17 @@ def make_records(entries, samples, extras, errors, env, opts):
             if errs:
                 rec['errors'] = errs
             batch = arg_value(args, '-b', '--batch-size', default='256')
+            amp = flag_on(args, '--amp')
             rec.update({'batch_size': int(batch) if batch.isdigit() else batch,
-                        'img_size': arg_value(args, '--img-size'), 'amp': '--amp' in args,
-                        'amp_dtype': arg_value(args, '--amp-dtype') if '--amp' in args else None,
-                        'channels_last': '--channels-last' in args, 'cuda_graph': bool(graph)})
+                        'img_size': arg_value(args, '--img-size'), 'amp': amp,
+                        'amp_dtype': arg_value(args, '--amp-dtype') if amp else None,
+                        'channels_last': flag_on(args, '--channels-last'), 'cuda_graph': bool(graph)})
             rec.update(env)
+            # the device this entry's commands ran on: ci_bench's --device, unless the entry's own
+            # flags (or --extra-args) name another; the last --device wins
+            dev = arg_value(args, '--device', default=opts.run_device)
+            if dev != opts.run_device:
+                rec['device'] = device_name(dev)
             records.append(rec)
     return records
 
@@ -275,14 +308,18 @@ def make_records(entries, samples, extras, errors, env, opts):
 def cmd_run(opts):
     if opts.repeats < 1:
         raise UsageError('--repeats {}: at least 1'.format(opts.repeats))
-    if opts.deadline is not None and opts.deadline <= 0:
-        raise UsageError('--deadline {:g}: seconds, more than 0 (leave it out for no deadline)'.format(opts.deadline))
+    if opts.deadline is not None and not (math.isfinite(opts.deadline) and opts.deadline >= 10):
+        raise UsageError('--deadline {:g}: seconds, at least 10 (no command starts in its last 5 s; leave it out '
+                         'for no deadline)'.format(opts.deadline))
     if opts.device is not None and not opts.device.strip():
         raise UsageError('--device is empty')
     device, entries = load_suite(opts.suite)
     device = opts.device or device
-    if opts.only:
+    opts.run_device = device
+    if opts.only is not None:
         wanted = set(opts.only.replace(',', ' ').split())
+        if not wanted:
+            raise UsageError('--only names no entry')
         unknown = wanted - {e['name'] for e in entries} - {arg_value(shlex.split(e['args']), '--model') for e in entries}
         if unknown:
             raise UsageError('--only: {} has no entry or model {}'.format(opts.suite, ', '.join(sorted(unknown))))
@@ -304,6 +341,12 @@ def cmd_run(opts):
     if not (os.path.isfile(imgtrain) and os.access(imgtrain, os.X_OK)):
         raise UsageError('{}: no imgtrain binary there (build it with scripts/build.sh, or pass --imgtrain)'.format(
             imgtrain))
+    if opts.out is not None:
+        parent = os.path.dirname(os.path.abspath(opts.out))
+        if not opts.out or os.path.isdir(opts.out) or not os.path.isdir(parent):
+            raise UsageError('--out {}: a file in an existing folder'.format(opts.out))
+        if os.path.exists(opts.out) and os.path.samefile(opts.out, opts.suite):
+            raise UsageError('--out {}: that is the suite file'.format(opts.out))
     if opts.out and os.path.exists(opts.out):
         os.remove(opts.out)  # a run that fails early must not leave an older run's numbers behind
     env = environment(imgtrain, device)
@@ -427,6 +470,8 @@ def cmd_table(opts):
 
 
 def cmd_compare(opts):
+    if not (math.isfinite(opts.threshold) and opts.threshold > 0):
+        raise UsageError('--threshold {:g}: a ratio above 0, e.g. 0.90'.format(opts.threshold))
     base_list, now_list = load_json_records(opts.baseline), load_json_records(opts.now)
     if not any('samples_per_sec' in r for r in base_list):
         raise UsageError('{}: the baseline has no measured record'.format(opts.baseline))
@@ -448,6 +493,11 @@ def cmd_compare(opts):
             why = '; '.join('{}: {}'.format(s, m) for s, m in n.get('errors', {}).items()) or 'no number'
             print('{:<24s} {:<6s} failed: {}'.format(key[0], key[1], why[:200]))
             failed.append('{} {}'.format(*key))
+            continue
+        if 'ratio' in b and 'ratio' not in n:
+            why = n.get('errors', {}).get('reference', 'no reference number')
+            print('{:<24s} {:<6s} failed: the reference did not measure: {}'.format(key[0], key[1], why[:200]))
+            failed.append('{} {} (reference)'.format(*key))
             continue
         if 'ratio' in b and 'ratio' in n:
             measure, bv, nv = 'vs ' + b.get('reference', 'ref'), b['ratio'], n['ratio']

@@ -218,7 +218,7 @@ REPEATS=${REPEATS:-1}
 bench_left=$(( DEADLINE - ($(date +%s) - start) - 15 ))
 quiet_step "benchmark suite" "$PYTHON" bench/ci_bench.py run --suite "$SUITE" --device "$DEVICE" --repeats "$REPEATS" \
   --imgtrain build-gpu/bin/imgtrain --keep-going --deadline "$bench_left" ${ONLY:+--only "$ONLY"} \
-  ${BENCH_ARGS:+--extra-args "$BENCH_ARGS"} --out "$OUT/gpu_bench.json"
+  ${BENCH_ARGS:+--extra-args="$BENCH_ARGS"} --out "$OUT/gpu_bench.json"
 if [[ -s $OUT/gpu_bench.json ]]; then
   "$PYTHON" bench/ci_bench.py table "$OUT/gpu_bench.json" >>"$report" 2>>"$log" || note "- (no table: see gpu_check.log)"
 else

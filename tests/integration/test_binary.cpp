@@ -690,6 +690,14 @@ TEST_CASE("ci_bench.py: a bad suite, flag or results file is one line and exit 2
   one_line(test::run(run + (out / "ok.yaml") + " --deadline 0"), 2, "--deadline 0");
   one_line(test::run(run + (out / "ok.yaml") + " --only zzz"), 2, "no entry or model zzz");
   one_line(test::run(tool + " run --imgtrain /nonexistent --suite " + (out / "ok.yaml")), 2, "no imgtrain binary");
+  one_line(test::run(run + (out / "ok.yaml") + " --out " + (out / "ok.yaml")), 2, "that is the suite file");
+  one_line(test::run(run + (out / "ok.yaml") + " --deadline nan"), 2, "--deadline nan");
+  // boolean flags are recorded as the commands read them: the last occurrence wins
+  auto flags = test::run(run + (out / "ok.yaml") + " --extra-args='--channels-last --channels-last=false' --out " +
+                         (out / "flags.json"));
+  INFO(flags.output);
+  REQUIRE(flags.code == 0);
+  CHECK(nlohmann::json::parse(test::read_file(out / "flags.json"))[0]["channels_last"] == false);
   // a run where every command fails is exit 1 even with --keep-going, and leaves no stale results:
   // the older file at --out is replaced by this run's failed records
   test::write_file(out / "fail.yaml", "entries:\n  - name: f\n    args: --model no_such_net --bench inference\n");
