@@ -66,13 +66,19 @@ ENTRY_KEYS = {'name': str, 'args': str, 'reference': str, 'cuda_graph': bool, 'c
 MODEL_BENCHES = ('both', 'train', 'inference')
 
 
+def parse_file(path, parse):
+    """parse(open file) of `path`; a file that cannot be read is a one-line UsageError."""
+    try:
+        with open(path) as f:
+            return parse(f)
+    except OSError as e:
+        raise UsageError('{}: {}'.format(path, e.strerror))
+
+
 def load_json_records(path):
     """A results file: a list of records, each a mapping with name and mode."""
     try:
-        with open(path) as f:
-            records = json.load(f)
-    except OSError as e:
-        raise UsageError('{}: {}'.format(path, e.strerror))
+        records = parse_file(path, json.load)
     except ValueError as e:
         raise UsageError('{}: not JSON ({})'.format(path, e))
     if not isinstance(records, list) or not all(isinstance(r, dict) and 'name' in r and 'mode' in r
@@ -95,10 +101,7 @@ def load_json_records(path):
 def load_suite(path):
     """The suite file, checked: every mistake is a one-line UsageError naming the file and entry."""
     try:
-        with open(path) as f:
-            suite = yaml.safe_load(f)
-    except OSError as e:
-        raise UsageError('{}: {}'.format(path, e.strerror))
+        suite = parse_file(path, yaml.safe_load)
     except yaml.YAMLError as e:
         mark = getattr(e, 'problem_mark', None)
         where = ' (line {})'.format(mark.line + 1) if mark else ''
