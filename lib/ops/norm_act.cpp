@@ -383,22 +383,16 @@ void elementwise(const Geometry& g, const std::function<void(int64_t off, int64_
   }
 }
 
-// scale = weight * invstd and shift = bias: the kernels compute (x - mean) * scale + shift, which
-// keeps ATen's exact cancellation of x - mean (a channel of near-constant values normalises to
-// its bias, not to rounding noise of x * scale - mean * scale).
-std::vector<float> scale_shift(const at::Tensor& w, const at::Tensor& b, const at::Tensor& mean,
-                               const at::Tensor& invstd, std::vector<float>& shift) {
+// scale = weight * invstd; the kernels compute (x - mean) * scale + bias, which keeps ATen's exact
+// cancellation of x - mean (a channel of near-constant values normalises to its bias, not to
+// rounding noise of x * scale - mean * scale).
+std::vector<float> bn_scale(const at::Tensor& w, const at::Tensor& invstd) {
   const int64_t C = w.numel();
-  auto wc = w.contiguous(), bc = b.contiguous();
-  const float *wp = wc.data_ptr<float>(), *bp = bc.data_ptr<float>();
+  auto wc = w.contiguous();
+  const float* wp = wc.data_ptr<float>();
   const float* ip = invstd.data_ptr<float>();
   std::vector<float> scale(C);
-  shift.resize(C);
-  for (int64_t c = 0; c < C; ++c) {
-    const double s = double(wp[c]) * double(ip[c]);
-    scale[c] = float(s);
-    shift[c] = bp[c];
-  }
+  for (int64_t c = 0; c < C; ++c) scale[c] = float(double(wp[c]) * double(ip[c]));
   return scale;
 }
 
@@ -411,8 +405,9 @@ struct BnActFunction : torch::autograd::Function<BnActFunction> {
                             const at::Tensor& invstd, int64_t act_code) {
     const auto g = geometry(x);
     const auto act = NormAct(act_code);
-    std::vector<float> shift;
-    const auto scale = scale_shift(weight, bias, mean, invstd, shift);
+    const auto scale = bn_scale(weight, invstd);
+    const auto bias_c = bias.contiguous();
+    const float* shift = bias_c.data_ptr<float>();
     auto out = at::empty_like(x);
     const float* xp = x.data_ptr<float>();
     const float* rp = has_residual(residual) ? residual.data_ptr<float>() : nullptr;
@@ -420,7 +415,7 @@ struct BnActFunction : torch::autograd::Function<BnActFunction> {
     const float* mp = mean.data_ptr<float>();
     const int64_t C = g.C, HW = g.HW;
     const auto w = wide(g);
-    const auto scale_w = repeat(scale.data(), C, w), shift_w = repeat(shift.data(), C, w), mean_w = repeat(mp, C, w);
+    const auto scale_w = repeat(scale.data(), C, w), shift_w = repeat(shift, C, w), mean_w = repeat(mp, C, w);
     elementwise(
         g,
         [&](int64_t off, int64_t rows, int64_t width) {
@@ -444,8 +439,9 @@ struct BnActFunction : torch::autograd::Function<BnActFunction> {
     const auto act = NormAct(ctx->saved_data["act"].toInt());
     const auto g = geometry(x);
     const auto grad = in_layout(grads[0], g);
-    std::vector<float> shift;
-    const auto scale = scale_shift(weight, bias, mean, invstd, shift);
+    const auto scale = bn_scale(weight, invstd);
+    const auto bias_c = bias.contiguous();
+    const float* shift = bias_c.data_ptr<float>();
     const bool res = has_residual(residual);
     at::Tensor gy = res ? at::empty_like(x) : at::Tensor();
     const float *gp = grad.data_ptr<float>(), *xp = x.data_ptr<float>();
@@ -455,7 +451,7 @@ struct BnActFunction : torch::autograd::Function<BnActFunction> {
     const int64_t C = g.C, HW = g.HW;
     std::vector<double> SG, SGX;
     const auto w = wide(g);
-    const auto scale_w = repeat(scale.data(), C, w), shift_w = repeat(shift.data(), C, w), mean_w = repeat(mp, C, w);
+    const auto scale_w = repeat(scale.data(), C, w), shift_w = repeat(shift, C, w), mean_w = repeat(mp, C, w);
     channel_sums(
         g, SG, SGX,
         [&](int64_t off, int64_t rows, int64_t width, float* sg, float* sgx) {

@@ -129,8 +129,6 @@ bool fusable(const torch::nn::Conv2dImpl& conv, const imgtrain::BatchNorm2dImpl&
 
 std::vector<int64_t> vec(const torch::ExpandingArray<2>& a) { return {a->at(0), a->at(1)}; }
 
-}  // namespace
-
 // Training fusion: act(bn(y) + residual) as one kernel when bn asks for it (set_training_fusion)
 // and the kernel takes the input; else undefined and the caller runs the modules. The running
 // statistics and num_batches_tracked move exactly as torch's BatchNorm2d moves them.
@@ -157,6 +155,8 @@ at::Tensor train_fused(imgtrain::BatchNorm2dImpl& bn, const at::Tensor& y, Act a
   return ops::batch_norm_act_train(y, bn.weight, bn.bias, bn.running_mean, bn.running_var, momentum,
                                    bn.options.eps(), a, residual);
 }
+
+}  // namespace
 
 at::Tensor conv_bn_act(torch::nn::Conv2dImpl& conv, imgtrain::BatchNorm2dImpl& bn, const at::Tensor& x, Act act,
                        const at::Tensor& residual) {
