@@ -19,19 +19,20 @@ malloc=(env MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=1073741824)
 mode=train
 [[ " $* " == *" --bench inference "* ]] && mode=infer
 [[ " $* " == *" --bench both "* ]] && { echo "peers.sh: one of --bench inference / --bench train" >&2; exit 2; }
-field() { sed -n '/^--result/,$p' | sed 1d | "$py" -c "import json,sys; print(json.load(sys.stdin).get('${mode}_samples_per_sec', ''))"; }
+field() { sed -n '/^--result/,$p' | sed 1d | "$py" -c "import json,sys; s = sys.stdin.read(); print(json.loads(s).get('${mode}_samples_per_sec', '') if s.strip() else '')"; }
+# A command that fails or refuses (e.g. --fuse-bn training with --amp) prints no result: its cell stays empty.
 names=(imgtrain imgtrain_fused timm_eager timm_eager_malloc timm_compiled)
 [[ $mode == infer ]] && names=(imgtrain imgtrain_unfused timm_eager timm_eager_malloc timm_compiled)
 declare -A vals
 for ((r = 0; r < runs; r++)); do
   for n in "${names[@]}"; do
     case $n in
-      imgtrain) v=$("$bin" benchmark --device cpu "$@" 2>/dev/null | field) ;;
-      imgtrain_unfused) v=$("$bin" benchmark --device cpu "$@" --fuse-bn=false 2>/dev/null | field) ;;
-      imgtrain_fused) v=$("$bin" benchmark --device cpu "$@" --fuse-bn 2>/dev/null | field) ;;
-      timm_eager) v=$("$py" "$here/bench/timm_benchmark.py" "$@" 2>/dev/null | field) ;;
-      timm_eager_malloc) v=$("${malloc[@]}" "$py" "$here/bench/timm_benchmark.py" "$@" 2>/dev/null | field) ;;
-      timm_compiled) v=$("${malloc[@]}" "$py" "$here/bench/timm_benchmark.py" "$@" --torchcompile 2>/dev/null | field) ;;
+      imgtrain) v=$("$bin" benchmark --device cpu "$@" 2>/dev/null | field) || v= ;;
+      imgtrain_unfused) v=$("$bin" benchmark --device cpu "$@" --fuse-bn=false 2>/dev/null | field) || v= ;;
+      imgtrain_fused) v=$("$bin" benchmark --device cpu "$@" --fuse-bn 2>/dev/null | field) || v= ;;
+      timm_eager) v=$("$py" "$here/bench/timm_benchmark.py" "$@" 2>/dev/null | field) || v= ;;
+      timm_eager_malloc) v=$("${malloc[@]}" "$py" "$here/bench/timm_benchmark.py" "$@" 2>/dev/null | field) || v= ;;
+      timm_compiled) v=$("${malloc[@]}" "$py" "$here/bench/timm_benchmark.py" "$@" --torchcompile 2>/dev/null | field) || v= ;;
     esac
     vals[$n]+="$v "
   done
