@@ -126,7 +126,10 @@ IMGTRAIN_AI void cl_bwd1_t(const float* g, const float* x, const float* r, float
   }
 }
 
-// gx = a * gy + b * (x - mean) + d, gy read back (residual: stored by pass 1) or recomputed from g.
+// gx = (gy - b * (x - mean) - d) * a, gy read back (residual: stored by pass 1) or recomputed from g.
+// The order is ATen's: gy minus its channel mean d before the scale a, so where the gradient is
+// nearly the same at every position (after a global pool, on tiny planes) the cancellation is
+// exact instead of leaving the rounding of a * gy and a * d behind.
 template <NormAct A, bool R>
 IMGTRAIN_AI void cl_bwd2_t(const float* g, const float* x, const float* gy_in, float* __restrict__ gx, int64_t rows, int64_t C,
                            const float* scale, const float* shift, const float* mean, const float* a, const float* b,
@@ -136,13 +139,13 @@ IMGTRAIN_AI void cl_bwd2_t(const float* g, const float* x, const float* gy_in, f
     float* o = gx + i * C;
     if constexpr (R) {
       const float* gyr = gy_in + i * C;
-      for (int64_t c = 0; c < C; ++c) o[c] = a[c] * gyr[c] + b[c] * (xr[c] - mean[c]) + d[c];
+      for (int64_t c = 0; c < C; ++c) o[c] = (gyr[c] - b[c] * (xr[c] - mean[c]) - d[c]) * a[c];
     } else {
       const float* gr = g + i * C;
       for (int64_t c = 0; c < C; ++c) {
         float gy = gr[c];
         if constexpr (A != NormAct::None) gy *= act_grad<A>((xr[c] - mean[c]) * scale[c] + shift[c]);
-        o[c] = a[c] * gy + b[c] * (xr[c] - mean[c]) + d[c];
+        o[c] = (gy - b[c] * (xr[c] - mean[c]) - d[c]) * a[c];
       }
     }
   }
@@ -234,7 +237,7 @@ IMGTRAIN_AI void cf_bwd2_t(const float* g, const float* x, const float* gy_in, f
       gy = g[i];
       if constexpr (A != NormAct::None) gy *= act_grad<A>((x[i] - mean) * scale + shift);
     }
-    gx[i] = a * gy + b * (x[i] - mean) + d;
+    gx[i] = (gy - b * (x[i] - mean) - d) * a;
   }
 }
 
@@ -473,10 +476,9 @@ struct BnActFunction : torch::autograd::Function<BnActFunction> {
     std::vector<float> a(C), b(C), d(C);
     for (int64_t c = 0; c < C; ++c) {
       const double is = ip[c], ai = double(wp[c]) * is;
-      const double k = ai * is * is * SGX[c] / M;  // w invstd^3 sum(gy (x - mean)) / M
       a[c] = float(ai);
-      b[c] = float(-k);
-      d[c] = float(-ai * SG[c] / M);
+      b[c] = float(is * is * SGX[c] / M);  // invstd^2 sum(gy (x - mean)) / M
+      d[c] = float(SG[c] / M);             // the mean of gy
       gw.data_ptr<float>()[c] = float(SGX[c] * is);
       gb.data_ptr<float>()[c] = float(SG[c]);
     }
