@@ -1,3 +1,4 @@
+#include <random>
 #include "cli/adapters.h"
 #include "cli/config.h"
 #include "core/error.h"
@@ -244,6 +245,34 @@ TEST_CASE("wildcards and name suggestions", "[cli]") {
   CHECK_FALSE(imgtrain::wildcard_match("resnet5", "resnet50"));
   auto close = imgtrain::closest_names("resnet5", {"vit_tiny", "resnet50", "resnet18"}, 2);
   CHECK(close == std::vector<std::string>{"resnet50", "resnet18"});
+
+  // The scoring gives up on a candidate once it cannot win; the ranking must be the full table's.
+  auto full = [](const std::string& a, const std::string& b) {
+    std::vector<std::vector<size_t>> d(a.size() + 1, std::vector<size_t>(b.size() + 1));
+    for (size_t i = 0; i <= a.size(); ++i) d[i][0] = i;
+    for (size_t j = 0; j <= b.size(); ++j) d[0][j] = j;
+    for (size_t i = 1; i <= a.size(); ++i)
+      for (size_t j = 1; j <= b.size(); ++j)
+        d[i][j] = std::min({d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + (a[i - 1] != b[j - 1])});
+    return d[a.size()][b.size()];
+  };
+  std::mt19937 gen(7);
+  auto word = [&](size_t len) {
+    std::string w;
+    for (size_t i = 0; i < len; ++i) w += char('a' + gen() % 4);  // 4 letters: many near ties
+    return w;
+  };
+  for (int trial = 0; trial < 200; ++trial) {
+    std::vector<std::string> names;
+    for (int k = 0; k < 12; ++k) names.push_back(word(1 + gen() % 9));
+    const std::string query = word(gen() % 12);
+    std::vector<std::pair<size_t, std::string>> want;
+    for (auto& c : names) want.emplace_back(full(query, c), c);
+    std::sort(want.begin(), want.end());
+    const auto got = imgtrain::closest_names(query, names, 3);
+    REQUIRE(got.size() == 3);
+    for (size_t i = 0; i < 3; ++i) CHECK(got[i] == want[i].second);
+  }
 }
 
 
