@@ -44,8 +44,11 @@ static size_t edit_distance(const std::string& a, const std::string& b, size_t l
     cur[0] = i;
     size_t row_min = cur[0];
     for (size_t j = 1; j <= b.size(); ++j) {
-      cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (a[i - 1] != b[j - 1])});
-      row_min = std::min(row_min, cur[j]);
+      size_t v = prev[j - 1] + (a[i - 1] != b[j - 1]);  // plain code: std::min's helpers would be instrumented
+      if (prev[j] + 1 < v) v = prev[j] + 1;
+      if (cur[j - 1] + 1 < v) v = cur[j - 1] + 1;
+      cur[j] = v;
+      if (v < row_min) row_min = v;
     }
     if (row_min > limit) return row_min;
     std::swap(prev, cur);
