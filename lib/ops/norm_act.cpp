@@ -127,9 +127,7 @@ IMGTRAIN_AI void cl_bwd1_t(const float* g, const float* x, const float* r, float
 }
 
 // gx = (gy - b * (x - mean) - d) * a, gy read back (residual: stored by pass 1) or recomputed from g.
-// The order is ATen's: gy minus its channel mean d before the scale a, so where the gradient is
-// nearly the same at every position (after a global pool, on tiny planes) the cancellation is
-// exact instead of leaving the rounding of a * gy and a * d behind.
+// ATen's order: gy minus its channel mean d before the scale a (a = the forward's scale).
 template <NormAct A, bool R>
 IMGTRAIN_AI void cl_bwd2_t(const float* g, const float* x, const float* gy_in, float* __restrict__ gx, int64_t rows, int64_t C,
                            const float* scale, const float* shift, const float* mean, const float* a, const float* b,
@@ -469,14 +467,11 @@ struct BnActFunction : torch::autograd::Function<BnActFunction> {
           }
         });
     const double M = double(g.count());
-    auto wc = weight.contiguous();
-    const float* wp = wc.data_ptr<float>();
     const float* ip = invstd.data_ptr<float>();
     auto gw = at::empty({C}, x.options()), gb = at::empty({C}, x.options());
-    std::vector<float> a(C), b(C), d(C);
+    std::vector<float> b(C), d(C);
     for (int64_t c = 0; c < C; ++c) {
-      const double is = ip[c], ai = double(wp[c]) * is;
-      a[c] = float(ai);
+      const double is = ip[c];
       b[c] = float(is * is * SGX[c] / M);  // invstd^2 sum(gy (x - mean)) / M
       d[c] = float(SG[c] / M);             // the mean of gy
       gw.data_ptr<float>()[c] = float(SGX[c] * is);
@@ -484,17 +479,17 @@ struct BnActFunction : torch::autograd::Function<BnActFunction> {
     }
     auto gx = at::empty_like(x);
     float* gxp = gx.data_ptr<float>();
-    const auto a_w = repeat(a.data(), C, w), b_w = repeat(b.data(), C, w), d_w = repeat(d.data(), C, w);
+    const auto b_w = repeat(b.data(), C, w), d_w = repeat(d.data(), C, w);
     elementwise(
         g,
         [&](int64_t off, int64_t rows, int64_t width) {
           cl_bwd2(act, res, gp + off, xp + off, gyp ? gyp + off : nullptr, gxp + off, rows, width, scale_w.data(),
-                  shift_w.data(), mean_w.data(), a_w.data(), b_w.data(), d_w.data());
+                  shift_w.data(), mean_w.data(), scale_w.data(), b_w.data(), d_w.data());
         },
         [&](int64_t n, int64_t c) {
           const int64_t off = (n * C + c) * HW;
           cf_bwd2(act, res, gp + off, xp + off, gyp ? gyp + off : nullptr, gxp + off, HW, scale[c], shift[c], mp[c],
-                  a[c], b[c], d[c]);
+                  scale[c], b[c], d[c]);
         });
     return {gx, gw, gb, res ? gy : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
