@@ -17,9 +17,10 @@ namespace imgtrain::ops {
 namespace {
 
 // The loops below are plain C++ that the compiler vectorises; on x86-64 GCC builds each hot
-// function also gets an AVX2+FMA clone picked at load time (the baseline build is SSE2 only).
+// function also gets AVX-512 and AVX2+FMA clones picked at load time (the baseline build is SSE2
+// only).
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-#define IMGTRAIN_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#define IMGTRAIN_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define IMGTRAIN_CLONES
 #endif
@@ -49,52 +50,57 @@ IMGTRAIN_AI float exp_approx(float x) {
   return y * std::bit_cast<float>((n + 127) << 23);
 }
 
-template <NormAct A>
-IMGTRAIN_AI float act_fwd(float v) {
+// exp in the element type: the approximation for float, the library's for double (the double
+// path exists to check the fused layers against torch's modules with float64 exactness)
+IMGTRAIN_AI float exp_t(float x) { return exp_approx(x); }
+IMGTRAIN_AI double exp_t(double x) { return std::exp(x); }
+
+template <NormAct A, typename T>
+IMGTRAIN_AI T act_fwd(T v) {
   if constexpr (A == NormAct::None) return v;
-  if constexpr (A == NormAct::ReLU) return std::max(v, 0.0f);
-  if constexpr (A == NormAct::ReLU6) return std::min(std::max(v, 0.0f), 6.0f);
-  if constexpr (A == NormAct::SiLU) return v / (1.0f + exp_approx(-v));
-  if constexpr (A == NormAct::HardSwish) return v * std::min(std::max(v + 3.0f, 0.0f), 6.0f) / 6.0f;
+  if constexpr (A == NormAct::ReLU) return std::max(v, T(0));
+  if constexpr (A == NormAct::ReLU6) return std::min(std::max(v, T(0)), T(6));
+  if constexpr (A == NormAct::SiLU) return v / (T(1) + exp_t(-v));
+  if constexpr (A == NormAct::HardSwish) return v * std::min(std::max(v + T(3), T(0)), T(6)) / T(6);
 }
 
 // d act / d v at the pre-activation v, as torch's backward formulas: ReLU's mask is v > 0, ReLU6
 // (hardtanh) passes 0 < v < 6, hard-swish is v / 3 + 1/2 on [-3, 3].
-template <NormAct A>
-IMGTRAIN_AI float act_grad(float v) {
-  if constexpr (A == NormAct::None) return 1.0f;
-  if constexpr (A == NormAct::ReLU) return v > 0.0f ? 1.0f : 0.0f;
-  if constexpr (A == NormAct::ReLU6) return (v > 0.0f && v < 6.0f) ? 1.0f : 0.0f;
+template <NormAct A, typename T>
+IMGTRAIN_AI T act_grad(T v) {
+  if constexpr (A == NormAct::None) return T(1);
+  if constexpr (A == NormAct::ReLU) return v > T(0) ? T(1) : T(0);
+  if constexpr (A == NormAct::ReLU6) return (v > T(0) && v < T(6)) ? T(1) : T(0);
   if constexpr (A == NormAct::SiLU) {
-    const float s = 1.0f / (1.0f + exp_approx(-v));
-    return s * (1.0f + v * (1.0f - s));
+    const T s = T(1) / (T(1) + exp_t(-v));
+    return s * (T(1) + v * (T(1) - s));
   }
-  if constexpr (A == NormAct::HardSwish) return v < -3.0f ? 0.0f : (v <= 3.0f ? v / 3.0f + 0.5f : 1.0f);
+  if constexpr (A == NormAct::HardSwish) return v < T(-3) ? T(0) : (v <= T(3) ? v / T(3) + T(0.5) : T(1));
 }
 
 // ---- channels-last: `rows` rows of C contiguous channels ----
 
-IMGTRAIN_CLONES void cl_stats(const float* x, const float* k, int64_t rows, int64_t C, float* __restrict__ s,
-                              float* __restrict__ q) {
+template <typename T>
+IMGTRAIN_AI void cl_stats_t(const T* x, const T* k, int64_t rows, int64_t C, T* __restrict__ s, T* __restrict__ q) {
   for (int64_t i = 0; i < rows; ++i) {
-    const float* xr = x + i * C;
+    const T* xr = x + i * C;
     for (int64_t c = 0; c < C; ++c) {
-      const float d = xr[c] - k[c];
+      const T d = xr[c] - k[c];
       s[c] += d;
       q[c] += d * d;
     }
   }
 }
 
-template <NormAct A, bool R>
-IMGTRAIN_AI void cl_fwd_t(const float* x, const float* r, float* __restrict__ out, int64_t rows, int64_t C, const float* scale,
-                          const float* shift, const float* mean) {
+template <typename T, NormAct A, bool R>
+IMGTRAIN_AI void cl_fwd_t(const T* x, const T* r, T* __restrict__ out, int64_t rows, int64_t C, const T* scale,
+                          const T* shift, const T* mean) {
   for (int64_t i = 0; i < rows; ++i) {
-    const float* xr = x + i * C;
-    float* o = out + i * C;
-    const float* rr = R ? r + i * C : nullptr;
+    const T* xr = x + i * C;
+    T* o = out + i * C;
+    const T* rr = R ? r + i * C : nullptr;
     for (int64_t c = 0; c < C; ++c) {
-      float v = (xr[c] - mean[c]) * scale[c] + shift[c];
+      T v = (xr[c] - mean[c]) * scale[c] + shift[c];
       if constexpr (R) v += rr[c];
       o[c] = act_fwd<A>(v);
     }
@@ -103,19 +109,18 @@ IMGTRAIN_AI void cl_fwd_t(const float* x, const float* r, float* __restrict__ ou
 
 // gy = g * act'(pre) with pre = (x - mean) * scale + shift (+ r); sums of gy and gy * (x - mean) per channel;
 // gy stored when `gy_out` is given (the residual's gradient).
-template <NormAct A, bool R>
-IMGTRAIN_AI void cl_bwd1_t(const float* g, const float* x, const float* r, float* __restrict__ gy_out, int64_t rows,
-                           int64_t C, const float* scale, const float* shift, const float* mean,
-                           float* __restrict__ sg, float* __restrict__ sgx) {
+template <typename T, NormAct A, bool R>
+IMGTRAIN_AI void cl_bwd1_t(const T* g, const T* x, const T* r, T* __restrict__ gy_out, int64_t rows, int64_t C,
+                           const T* scale, const T* shift, const T* mean, T* __restrict__ sg, T* __restrict__ sgx) {
   for (int64_t i = 0; i < rows; ++i) {
-    const float* gr = g + i * C;
-    const float* xr = x + i * C;
-    const float* rr = R ? r + i * C : nullptr;
-    float* gyr = R ? gy_out + i * C : nullptr;
+    const T* gr = g + i * C;
+    const T* xr = x + i * C;
+    const T* rr = R ? r + i * C : nullptr;
+    T* gyr = R ? gy_out + i * C : nullptr;
     for (int64_t c = 0; c < C; ++c) {
-      float gy = gr[c];
+      T gy = gr[c];
       if constexpr (A != NormAct::None) {
-        float v = (xr[c] - mean[c]) * scale[c] + shift[c];
+        T v = (xr[c] - mean[c]) * scale[c] + shift[c];
         if constexpr (R) v += rr[c];
         gy *= act_grad<A>(v);
       }
@@ -128,20 +133,20 @@ IMGTRAIN_AI void cl_bwd1_t(const float* g, const float* x, const float* r, float
 
 // gx = (gy - b * (x - mean) - d) * a, gy read back (residual: stored by pass 1) or recomputed from g.
 // ATen's order: gy minus its channel mean d before the scale a (a = the forward's scale).
-template <NormAct A, bool R>
-IMGTRAIN_AI void cl_bwd2_t(const float* g, const float* x, const float* gy_in, float* __restrict__ gx, int64_t rows, int64_t C,
-                           const float* scale, const float* shift, const float* mean, const float* a, const float* b,
-                           const float* d) {
+template <typename T, NormAct A, bool R>
+IMGTRAIN_AI void cl_bwd2_t(const T* g, const T* x, const T* gy_in, T* __restrict__ gx, int64_t rows, int64_t C,
+                           const T* scale, const T* shift, const T* mean, const T* a, const T* b,
+                           const T* d) {
   for (int64_t i = 0; i < rows; ++i) {
-    const float* xr = x + i * C;
-    float* o = gx + i * C;
+    const T* xr = x + i * C;
+    T* o = gx + i * C;
     if constexpr (R) {
-      const float* gyr = gy_in + i * C;
+      const T* gyr = gy_in + i * C;
       for (int64_t c = 0; c < C; ++c) o[c] = (gyr[c] - b[c] * (xr[c] - mean[c]) - d[c]) * a[c];
     } else {
-      const float* gr = g + i * C;
+      const T* gr = g + i * C;
       for (int64_t c = 0; c < C; ++c) {
-        float gy = gr[c];
+        T gy = gr[c];
         if constexpr (A != NormAct::None) gy *= act_grad<A>((xr[c] - mean[c]) * scale[c] + shift[c]);
         o[c] = (gy - b[c] * (xr[c] - mean[c]) - d[c]) * a[c];
       }
@@ -151,84 +156,85 @@ IMGTRAIN_AI void cl_bwd2_t(const float* g, const float* x, const float* gy_in, f
 
 // ---- NCHW: one plane of `n` contiguous values of one channel ----
 
-IMGTRAIN_CLONES void cf_stats(const float* p, int64_t n, float k, double& S, double& Q) {
+template <typename T>
+IMGTRAIN_AI void cf_stats_t(const T* p, int64_t n, T k, double& S, double& Q) {
   for (int64_t start = 0; start < n; start += kPlaneChunk) {
     const int64_t len = std::min(kPlaneChunk, n - start);
-    const float* x = p + start;
-    float s[kLanes] = {}, q[kLanes] = {};
+    const T* x = p + start;
+    T s[kLanes] = {}, q[kLanes] = {};
     int64_t i = 0;
     for (; i + kLanes <= len; i += kLanes)
       for (int l = 0; l < kLanes; ++l) {
-        const float d = x[i + l] - k;
+        const T d = x[i + l] - k;
         s[l] += d;
         q[l] += d * d;
       }
     for (; i < len; ++i) {
-      const float d = x[i] - k;
+      const T d = x[i] - k;
       s[0] += d;
       q[0] += d * d;
     }
-    float ss = 0, qq = 0;
+    T ss = 0, qq = 0;
     for (int l = 0; l < kLanes; ++l) ss += s[l], qq += q[l];
     S += ss;
     Q += qq;
   }
 }
 
-template <NormAct A, bool R>
-IMGTRAIN_AI void cf_fwd_t(const float* x, const float* r, float* __restrict__ out, int64_t n, float scale, float shift,
-                          float mean) {
+template <typename T, NormAct A, bool R>
+IMGTRAIN_AI void cf_fwd_t(const T* x, const T* r, T* __restrict__ out, int64_t n, T scale, T shift,
+                          T mean) {
   for (int64_t i = 0; i < n; ++i) {
-    float v = (x[i] - mean) * scale + shift;
+    T v = (x[i] - mean) * scale + shift;
     if constexpr (R) v += r[i];
     out[i] = act_fwd<A>(v);
   }
 }
 
-template <NormAct A, bool R>
-IMGTRAIN_AI float cf_gy(const float* g, const float* x, const float* r, int64_t j, float scale, float shift,
-                        float mean) {
-  float gy = g[j];
+template <typename T, NormAct A, bool R>
+IMGTRAIN_AI T cf_gy(const T* g, const T* x, const T* r, int64_t j, T scale, T shift,
+                        T mean) {
+  T gy = g[j];
   if constexpr (A != NormAct::None) {
-    float v = (x[j] - mean) * scale + shift;
+    T v = (x[j] - mean) * scale + shift;
     if constexpr (R) v += r[j];
     gy *= act_grad<A>(v);
   }
   return gy;
 }
 
-template <NormAct A, bool R>
-IMGTRAIN_AI void cf_bwd1_t(const float* g, const float* x, const float* r, float* __restrict__ gy_out, int64_t n,
-                           float scale, float shift, float mean, double& SG, double& SGX) {
+template <typename T, NormAct A, bool R>
+IMGTRAIN_AI void cf_bwd1_t(const T* g, const T* x, const T* r, T* __restrict__ gy_out, int64_t n,
+                           T scale, T shift, T mean, double& SG, double& SGX) {
   for (int64_t start = 0; start < n; start += kPlaneChunk) {
     const int64_t end = start + std::min(kPlaneChunk, n - start);
-    float sg[kLanes] = {}, sgx[kLanes] = {};
+    T sg[kLanes] = {}, sgx[kLanes] = {};
     int64_t i = start;
     for (; i + kLanes <= end; i += kLanes)
       for (int l = 0; l < kLanes; ++l) {
-        const float gy = cf_gy<A, R>(g, x, r, i + l, scale, shift, mean);
+        const T gy = cf_gy<T, A, R>(g, x, r, i + l, scale, shift, mean);
         if constexpr (R) gy_out[i + l] = gy;
         sg[l] += gy;
         sgx[l] += gy * (x[i + l] - mean);
       }
     for (; i < end; ++i) {
-      const float gy = cf_gy<A, R>(g, x, r, i, scale, shift, mean);
+      const T gy = cf_gy<T, A, R>(g, x, r, i, scale, shift, mean);
       if constexpr (R) gy_out[i] = gy;
       sg[0] += gy;
       sgx[0] += gy * (x[i] - mean);
     }
-    float a = 0, b = 0;
+    T a = 0, b = 0;
     for (int l = 0; l < kLanes; ++l) a += sg[l], b += sgx[l];
     SG += a;
     SGX += b;
   }
 }
 
-template <NormAct A, bool R>
-IMGTRAIN_AI void cf_bwd2_t(const float* g, const float* x, const float* gy_in, float* __restrict__ gx, int64_t n, float scale,
-                           float shift, float mean, float a, float b, float d) {
+template <typename T, NormAct A, bool R>
+IMGTRAIN_AI void cf_bwd2_t(const T* g, const T* x, const T* gy_in, T* __restrict__ gx, int64_t n, T scale,
+                           T shift, T mean, T a, T b, T d) {
   for (int64_t i = 0; i < n; ++i) {
-    float gy;
+    T gy;
     if constexpr (R) {
       gy = gy_in[i];
     } else {
@@ -250,43 +256,56 @@ IMGTRAIN_AI void cf_bwd2_t(const float* g, const float* x, const float* gy_in, f
     case NormAct::HardSwish: res ? CALL(NormAct::HardSwish, true) : CALL(NormAct::HardSwish, false); break; \
   }
 
-IMGTRAIN_CLONES void cl_fwd(NormAct act, const float* x, const float* r, float* out, int64_t rows, int64_t C,
-                            const float* scale, const float* shift, const float* mean) {
-#define CALL(A, R) cl_fwd_t<A, R>(x, r, out, rows, C, scale, shift, mean)
-  IMGTRAIN_DISPATCH(act, r != nullptr, CALL)
-#undef CALL
-}
-IMGTRAIN_CLONES void cl_bwd1(NormAct act, const float* g, const float* x, const float* r, float* gy, int64_t rows,
-                             int64_t C, const float* scale, const float* shift, const float* mean, float* sg, float* sgx) {
-#define CALL(A, R) cl_bwd1_t<A, R>(g, x, r, gy, rows, C, scale, shift, mean, sg, sgx)
-  IMGTRAIN_DISPATCH(act, r != nullptr, CALL)
-#undef CALL
-}
-IMGTRAIN_CLONES void cl_bwd2(NormAct act, bool res, const float* g, const float* x, const float* gy, float* gx,
-                             int64_t rows, int64_t C, const float* scale, const float* shift, const float* mean,
-                             const float* a, const float* b, const float* d) {
-#define CALL(A, R) cl_bwd2_t<A, R>(g, x, gy, gx, rows, C, scale, shift, mean, a, b, d)
-  IMGTRAIN_DISPATCH(act, res, CALL)
-#undef CALL
-}
-IMGTRAIN_CLONES void cf_fwd(NormAct act, const float* x, const float* r, float* out, int64_t n, float scale,
-                            float shift, float mean) {
-#define CALL(A, R) cf_fwd_t<A, R>(x, r, out, n, scale, shift, mean)
-  IMGTRAIN_DISPATCH(act, r != nullptr, CALL)
-#undef CALL
-}
-IMGTRAIN_CLONES void cf_bwd1(NormAct act, const float* g, const float* x, const float* r, float* gy, int64_t n,
-                             float scale, float shift, float mean, double& SG, double& SGX) {
-#define CALL(A, R) cf_bwd1_t<A, R>(g, x, r, gy, n, scale, shift, mean, SG, SGX)
-  IMGTRAIN_DISPATCH(act, r != nullptr, CALL)
-#undef CALL
-}
-IMGTRAIN_CLONES void cf_bwd2(NormAct act, bool res, const float* g, const float* x, const float* gy, float* gx,
-                             int64_t n, float scale, float shift, float mean, float a, float b, float d) {
-#define CALL(A, R) cf_bwd2_t<A, R>(g, x, gy, gx, n, scale, shift, mean, a, b, d)
-  IMGTRAIN_DISPATCH(act, res, CALL)
-#undef CALL
-}
+// The entries for one element type: float with the clones, double (the float64 check) without.
+#define IMGTRAIN_ENTRIES(T, ATTR)                                                                                    \
+  ATTR void cl_stats(const T* x, const T* k, int64_t rows, int64_t C, T* s, T* q) {                               \
+    cl_stats_t<T>(x, k, rows, C, s, q);                                                                            \
+  }                                                                                                                \
+  ATTR void cf_stats(const T* p, int64_t n, T k, double& S, double& Q) { cf_stats_t<T>(p, n, k, S, Q); }           \
+  ATTR void cl_fwd(NormAct act, const T* x, const T* r, T* out, int64_t rows, int64_t C, const T* scale,          \
+                   const T* shift, const T* mean) {                                                                \
+    using Elem = T;                                                                                                \
+    IMGTRAIN_DISPATCH(act, r != nullptr, CL_FWD)                                                                   \
+  }                                                                                                                \
+  ATTR void cl_bwd1(NormAct act, const T* g, const T* x, const T* r, T* gy, int64_t rows, int64_t C,              \
+                    const T* scale, const T* shift, const T* mean, T* sg, T* sgx) {                                \
+    using Elem = T;                                                                                                \
+    IMGTRAIN_DISPATCH(act, r != nullptr, CL_BWD1)                                                                  \
+  }                                                                                                                \
+  ATTR void cl_bwd2(NormAct act, bool res, const T* g, const T* x, const T* gy, T* gx, int64_t rows, int64_t C,   \
+                    const T* scale, const T* shift, const T* mean, const T* a, const T* b, const T* d) {           \
+    using Elem = T;                                                                                                \
+    IMGTRAIN_DISPATCH(act, res, CL_BWD2)                                                                           \
+  }                                                                                                                \
+  ATTR void cf_fwd(NormAct act, const T* x, const T* r, T* out, int64_t n, T scale, T shift, T mean) {             \
+    using Elem = T;                                                                                                \
+    IMGTRAIN_DISPATCH(act, r != nullptr, CF_FWD)                                                                   \
+  }                                                                                                                \
+  ATTR void cf_bwd1(NormAct act, const T* g, const T* x, const T* r, T* gy, int64_t n, T scale, T shift, T mean,  \
+                    double& SG, double& SGX) {                                                                     \
+    using Elem = T;                                                                                                \
+    IMGTRAIN_DISPATCH(act, r != nullptr, CF_BWD1)                                                                  \
+  }                                                                                                                \
+  ATTR void cf_bwd2(NormAct act, bool res, const T* g, const T* x, const T* gy, T* gx, int64_t n, T scale,        \
+                    T shift, T mean, T a, T b, T d) {                                                              \
+    using Elem = T;                                                                                                \
+    IMGTRAIN_DISPATCH(act, res, CF_BWD2)                                                                           \
+  }
+#define CL_FWD(A, R) cl_fwd_t<Elem, A, R>(x, r, out, rows, C, scale, shift, mean)
+#define CL_BWD1(A, R) cl_bwd1_t<Elem, A, R>(g, x, r, gy, rows, C, scale, shift, mean, sg, sgx)
+#define CL_BWD2(A, R) cl_bwd2_t<Elem, A, R>(g, x, gy, gx, rows, C, scale, shift, mean, a, b, d)
+#define CF_FWD(A, R) cf_fwd_t<Elem, A, R>(x, r, out, n, scale, shift, mean)
+#define CF_BWD1(A, R) cf_bwd1_t<Elem, A, R>(g, x, r, gy, n, scale, shift, mean, SG, SGX)
+#define CF_BWD2(A, R) cf_bwd2_t<Elem, A, R>(g, x, gy, gx, n, scale, shift, mean, a, b, d)
+IMGTRAIN_ENTRIES(float, IMGTRAIN_CLONES)
+IMGTRAIN_ENTRIES(double, )
+#undef CL_FWD
+#undef CL_BWD1
+#undef CL_BWD2
+#undef CF_FWD
+#undef CF_BWD1
+#undef CF_BWD2
+#undef IMGTRAIN_ENTRIES
 #undef IMGTRAIN_DISPATCH
 
 // The geometry of a supported input: channels-last rows of C, or N planes of HW per channel.
@@ -320,8 +339,9 @@ Wide wide(const Geometry& g) {
   return {k, k * g.C, pixels / k, (pixels % k) * g.C};
 }
 
-std::vector<float> repeat(const float* p, int64_t C, const Wide& w) {
-  std::vector<float> out(size_t(w.W));
+template <typename T>
+std::vector<T> repeat(const T* p, int64_t C, const Wide& w) {
+  std::vector<T> out(size_t(w.W));
   for (int64_t j = 0; j < w.k; ++j) std::copy(p, p + C, out.begin() + j * C);
   return out;
 }
@@ -331,7 +351,7 @@ std::vector<float> repeat(const float* p, int64_t C, const Wide& w) {
 // fixed, so the result does not depend on the number of threads.
 //   cl_block(offset, rows, width, s, q): adds the sums of `rows` rows of `width` values at
 //   `offset` into s[0..width) and q[0..width); cf_channel(c, S, Q): one channel's sums.
-template <typename PartialFn>
+template <typename T, typename PartialFn>
 void channel_sums(const Geometry& g, std::vector<double>& A, std::vector<double>& B, PartialFn&& cl_block,
                   const std::function<void(int64_t c, double&, double&)>& cf_channel) {
   const int64_t C = g.C;
@@ -341,10 +361,10 @@ void channel_sums(const Geometry& g, std::vector<double>& A, std::vector<double>
     const auto w = wide(g);
     const int64_t full = (w.rows + kRowBlock - 1) / kRowBlock, blocks = full + (w.tail ? 1 : 0);
     const int64_t W = w.W;
-    std::vector<float> part(size_t(blocks * 2 * W), 0.0f);
+    std::vector<T> part(size_t(blocks * 2 * W), T(0));
     at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
       for (int64_t blk = b0; blk < b1; ++blk) {
-        float* s = part.data() + blk * 2 * W;
+        T* s = part.data() + blk * 2 * W;
         if (blk == full) {
           cl_block(w.rows * W, 1, w.tail, s, s + W);
         } else {
@@ -387,46 +407,117 @@ void elementwise(const Geometry& g, const std::function<void(int64_t off, int64_
 // scale = weight * invstd; the kernels compute (x - mean) * scale + bias, which keeps ATen's exact
 // cancellation of x - mean (a channel of near-constant values normalises to its bias, not to
 // rounding noise of x * scale - mean * scale).
-std::vector<float> bn_scale(const at::Tensor& w, const at::Tensor& invstd) {
+template <typename T>
+std::vector<T> bn_scale(const at::Tensor& w, const at::Tensor& invstd) {
   const int64_t C = w.numel();
   auto wc = w.contiguous();
-  const float* wp = wc.data_ptr<float>();
-  const float* ip = invstd.data_ptr<float>();
-  std::vector<float> scale(C);
-  for (int64_t c = 0; c < C; ++c) scale[c] = float(double(wp[c]) * double(ip[c]));
+  const T* wp = wc.data_ptr<T>();
+  const T* ip = invstd.data_ptr<T>();
+  std::vector<T> scale(C);
+  for (int64_t c = 0; c < C; ++c) scale[c] = T(double(wp[c]) * double(ip[c]));
   return scale;
 }
 
 // Autograd's custom functions take defined tensors only: no residual is an empty one.
 bool has_residual(const at::Tensor& r) { return r.defined() && r.numel() > 0; }
 
+template <typename T>
+at::Tensor bn_act_forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                        const at::Tensor& residual, const at::Tensor& mean, const at::Tensor& invstd,
+                        int64_t act_code) {
+  const auto g = geometry(x);
+  const auto act = NormAct(act_code);
+  const auto scale = bn_scale<T>(weight, invstd);
+  const auto bias_c = bias.contiguous();
+  const T* shift = bias_c.data_ptr<T>();
+  auto out = at::empty_like(x);
+  const T* xp = x.data_ptr<T>();
+  const T* rp = has_residual(residual) ? residual.data_ptr<T>() : nullptr;
+  T* op = out.data_ptr<T>();
+  const T* mp = mean.data_ptr<T>();
+  const int64_t C = g.C, HW = g.HW;
+  const auto w = wide(g);
+  const auto scale_w = repeat<T>(scale.data(), C, w), shift_w = repeat<T>(shift, C, w), mean_w = repeat<T>(mp, C, w);
+  elementwise(
+      g,
+      [&](int64_t off, int64_t rows, int64_t width) {
+        cl_fwd(act, xp + off, rp ? rp + off : nullptr, op + off, rows, width, scale_w.data(), shift_w.data(),
+               mean_w.data());
+      },
+      [&](int64_t n, int64_t c) {
+        const int64_t off = (n * C + c) * HW;
+        cf_fwd(act, xp + off, rp ? rp + off : nullptr, op + off, HW, scale[c], shift[c], mp[c]);
+      });
+  return out;
+}
+
+template <typename T>
+torch::autograd::variable_list bn_act_backward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                                             const at::Tensor& residual, const at::Tensor& mean,
+                                             const at::Tensor& invstd, int64_t act_code, const at::Tensor& grad_out) {
+  const auto act = NormAct(act_code);
+  const auto g = geometry(x);
+  const auto grad = in_layout(grad_out, g);
+  const auto scale = bn_scale<T>(weight, invstd);
+  const auto bias_c = bias.contiguous();
+  const T* shift = bias_c.data_ptr<T>();
+  const bool res = has_residual(residual);
+  at::Tensor gy = res ? at::empty_like(x) : at::Tensor();
+  const T *gp = grad.data_ptr<T>(), *xp = x.data_ptr<T>();
+  const T* rp = res ? residual.data_ptr<T>() : nullptr;
+  T* gyp = res ? gy.data_ptr<T>() : nullptr;
+  const T* mp = mean.data_ptr<T>();
+  const int64_t C = g.C, HW = g.HW;
+  std::vector<double> SG, SGX;
+  const auto w = wide(g);
+  const auto scale_w = repeat<T>(scale.data(), C, w), shift_w = repeat<T>(shift, C, w), mean_w = repeat<T>(mp, C, w);
+  channel_sums<T>(
+      g, SG, SGX,
+      [&](int64_t off, int64_t rows, int64_t width, T* sg, T* sgx) {
+        cl_bwd1(act, gp + off, xp + off, rp ? rp + off : nullptr, gyp ? gyp + off : nullptr, rows, width,
+                scale_w.data(), shift_w.data(), mean_w.data(), sg, sgx);
+      },
+      [&](int64_t c, double& sg, double& sgx) {
+        for (int64_t n = 0; n < g.N; ++n) {
+          const int64_t off = (n * C + c) * HW;
+          cf_bwd1(act, gp + off, xp + off, rp ? rp + off : nullptr, gyp ? gyp + off : nullptr, HW, scale[c],
+                  shift[c], mp[c], sg, sgx);
+        }
+      });
+  const double M = double(g.count());
+  const T* ip = invstd.data_ptr<T>();
+  auto gw = at::empty({C}, x.options()), gb = at::empty({C}, x.options());
+  std::vector<T> b(C), d(C);
+  for (int64_t c = 0; c < C; ++c) {
+    const double is = ip[c];
+    b[c] = T(is * is * SGX[c] / M);  // invstd^2 sum(gy (x - mean)) / M
+    d[c] = T(SG[c] / M);             // the mean of gy
+    gw.data_ptr<T>()[c] = T(SGX[c] * is);
+    gb.data_ptr<T>()[c] = T(SG[c]);
+  }
+  auto gx = at::empty_like(x);
+  T* gxp = gx.data_ptr<T>();
+  const auto b_w = repeat<T>(b.data(), C, w), d_w = repeat<T>(d.data(), C, w);
+  elementwise(
+      g,
+      [&](int64_t off, int64_t rows, int64_t width) {
+        cl_bwd2(act, res, gp + off, xp + off, gyp ? gyp + off : nullptr, gxp + off, rows, width, scale_w.data(),
+                shift_w.data(), mean_w.data(), scale_w.data(), b_w.data(), d_w.data());
+      },
+      [&](int64_t n, int64_t c) {
+        const int64_t off = (n * C + c) * HW;
+        cf_bwd2(act, res, gp + off, xp + off, gyp ? gyp + off : nullptr, gxp + off, HW, scale[c], shift[c], mp[c],
+                scale[c], b[c], d[c]);
+      });
+  return {gx, gw, gb, res ? gy : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+}
+
 struct BnActFunction : torch::autograd::Function<BnActFunction> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             const at::Tensor& bias, const at::Tensor& residual, const at::Tensor& mean,
                             const at::Tensor& invstd, int64_t act_code) {
-    const auto g = geometry(x);
-    const auto act = NormAct(act_code);
-    const auto scale = bn_scale(weight, invstd);
-    const auto bias_c = bias.contiguous();
-    const float* shift = bias_c.data_ptr<float>();
-    auto out = at::empty_like(x);
-    const float* xp = x.data_ptr<float>();
-    const float* rp = has_residual(residual) ? residual.data_ptr<float>() : nullptr;
-    float* op = out.data_ptr<float>();
-    const float* mp = mean.data_ptr<float>();
-    const int64_t C = g.C, HW = g.HW;
-    const auto w = wide(g);
-    const auto scale_w = repeat(scale.data(), C, w), shift_w = repeat(shift, C, w), mean_w = repeat(mp, C, w);
-    elementwise(
-        g,
-        [&](int64_t off, int64_t rows, int64_t width) {
-          cl_fwd(act, xp + off, rp ? rp + off : nullptr, op + off, rows, width, scale_w.data(), shift_w.data(),
-                 mean_w.data());
-        },
-        [&](int64_t n, int64_t c) {
-          const int64_t off = (n * C + c) * HW;
-          cf_fwd(act, xp + off, rp ? rp + off : nullptr, op + off, HW, scale[c], shift[c], mp[c]);
-        });
+    auto out = x.scalar_type() == at::kDouble ? bn_act_forward<double>(x, weight, bias, residual, mean, invstd, act_code)
+                                              : bn_act_forward<float>(x, weight, bias, residual, mean, invstd, act_code);
     ctx->save_for_backward({x, weight, bias, residual, mean, invstd});
     ctx->saved_data["act"] = act_code;
     return out;
@@ -435,99 +526,32 @@ struct BnActFunction : torch::autograd::Function<BnActFunction> {
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const auto &x = saved[0], &weight = saved[1], &bias = saved[2], &residual = saved[3], &mean = saved[4],
-               &invstd = saved[5];
-    const auto act = NormAct(ctx->saved_data["act"].toInt());
-    const auto g = geometry(x);
-    const auto grad = in_layout(grads[0], g);
-    const auto scale = bn_scale(weight, invstd);
-    const auto bias_c = bias.contiguous();
-    const float* shift = bias_c.data_ptr<float>();
-    const bool res = has_residual(residual);
-    at::Tensor gy = res ? at::empty_like(x) : at::Tensor();
-    const float *gp = grad.data_ptr<float>(), *xp = x.data_ptr<float>();
-    const float* rp = res ? residual.data_ptr<float>() : nullptr;
-    float* gyp = res ? gy.data_ptr<float>() : nullptr;
-    const float* mp = mean.data_ptr<float>();
-    const int64_t C = g.C, HW = g.HW;
-    std::vector<double> SG, SGX;
-    const auto w = wide(g);
-    const auto scale_w = repeat(scale.data(), C, w), shift_w = repeat(shift, C, w), mean_w = repeat(mp, C, w);
-    channel_sums(
-        g, SG, SGX,
-        [&](int64_t off, int64_t rows, int64_t width, float* sg, float* sgx) {
-          cl_bwd1(act, gp + off, xp + off, rp ? rp + off : nullptr, gyp ? gyp + off : nullptr, rows, width,
-                  scale_w.data(), shift_w.data(), mean_w.data(), sg, sgx);
-        },
-        [&](int64_t c, double& sg, double& sgx) {
-          for (int64_t n = 0; n < g.N; ++n) {
-            const int64_t off = (n * C + c) * HW;
-            cf_bwd1(act, gp + off, xp + off, rp ? rp + off : nullptr, gyp ? gyp + off : nullptr, HW, scale[c],
-                    shift[c], mp[c], sg, sgx);
-          }
-        });
-    const double M = double(g.count());
-    const float* ip = invstd.data_ptr<float>();
-    auto gw = at::empty({C}, x.options()), gb = at::empty({C}, x.options());
-    std::vector<float> b(C), d(C);
-    for (int64_t c = 0; c < C; ++c) {
-      const double is = ip[c];
-      b[c] = float(is * is * SGX[c] / M);  // invstd^2 sum(gy (x - mean)) / M
-      d[c] = float(SG[c] / M);             // the mean of gy
-      gw.data_ptr<float>()[c] = float(SGX[c] * is);
-      gb.data_ptr<float>()[c] = float(SG[c]);
-    }
-    auto gx = at::empty_like(x);
-    float* gxp = gx.data_ptr<float>();
-    const auto b_w = repeat(b.data(), C, w), d_w = repeat(d.data(), C, w);
-    elementwise(
-        g,
-        [&](int64_t off, int64_t rows, int64_t width) {
-          cl_bwd2(act, res, gp + off, xp + off, gyp ? gyp + off : nullptr, gxp + off, rows, width, scale_w.data(),
-                  shift_w.data(), mean_w.data(), scale_w.data(), b_w.data(), d_w.data());
-        },
-        [&](int64_t n, int64_t c) {
-          const int64_t off = (n * C + c) * HW;
-          cf_bwd2(act, res, gp + off, xp + off, gyp ? gyp + off : nullptr, gxp + off, HW, scale[c], shift[c], mp[c],
-                  scale[c], b[c], d[c]);
-        });
-    return {gx, gw, gb, res ? gy : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    const auto act = ctx->saved_data["act"].toInt();
+    return saved[0].scalar_type() == at::kDouble
+               ? bn_act_backward<double>(saved[0], saved[1], saved[2], saved[3], saved[4], saved[5], act, grads[0])
+               : bn_act_backward<float>(saved[0], saved[1], saved[2], saved[3], saved[4], saved[5], act, grads[0]);
   }
 };
 
-}  // namespace
-
-bool batch_norm_act_supported(const at::Tensor& x, const at::Tensor& residual) {
-  if (!x.defined() || x.dim() != 4 || !x.device().is_cpu() || x.scalar_type() != at::kFloat || x.size(1) == 0)
-    return false;
-  if (x.size(0) * x.size(2) * x.size(3) < 2) return false;
-  const bool cl = x.is_contiguous(at::MemoryFormat::ChannelsLast);
-  if (!cl && !x.is_contiguous()) return false;
-  if (!residual.defined()) return true;
-  return residual.sizes() == x.sizes() && residual.device().is_cpu() && residual.scalar_type() == at::kFloat &&
-         (cl ? residual.is_contiguous(at::MemoryFormat::ChannelsLast) : residual.is_contiguous());
-}
-
-at::Tensor batch_norm_act_train(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
-                                const at::Tensor& running_mean, const at::Tensor& running_var, double momentum,
-                                double eps, NormAct act, const at::Tensor& residual) {
-  if (!batch_norm_act_supported(x, residual))
-    throw std::invalid_argument("batch_norm_act_train: unsupported input (float32 CPU 4-D, NCHW or channels-last)");
+// Batch statistics of x per channel (mean, 1 / sqrt(var + eps)) and the running statistics
+// update, as torch's training-mode batch_norm.
+template <typename T>
+void bn_stats(const at::Tensor& x, const at::Tensor& running_mean, const at::Tensor& running_var, double momentum,
+              double eps, at::Tensor& mean, at::Tensor& invstd) {
   const auto g = geometry(x);
   const int64_t C = g.C, HW = g.HW;
   // the statistics: sums of x - k with k = the channel's first value (shifted sums keep the
   // variance exact when the mean is large against the spread)
-  std::vector<float> k(C);
-  at::Tensor mean, invstd;
+  std::vector<T> k(C);
   {
     at::NoGradGuard no_grad;
-    const float* xp = x.data_ptr<float>();
+    const T* xp = x.data_ptr<T>();
     for (int64_t c = 0; c < C; ++c) k[c] = g.channels_last ? xp[c] : xp[c * HW];
-    const auto k_w = repeat(k.data(), C, wide(g));
+    const auto k_w = repeat<T>(k.data(), C, wide(g));
     std::vector<double> S, Q;
-    channel_sums(
+    channel_sums<T>(
         g, S, Q,
-        [&](int64_t off, int64_t rows, int64_t width, float* s, float* q) {
+        [&](int64_t off, int64_t rows, int64_t width, T* s, T* q) {
           cl_stats(xp + off, k_w.data(), rows, width, s, q);
         },
         [&](int64_t c, double& s, double& q) {
@@ -536,22 +560,47 @@ at::Tensor batch_norm_act_train(const at::Tensor& x, const at::Tensor& weight, c
     const double M = double(g.count());
     mean = at::empty({C}, x.options());
     invstd = at::empty({C}, x.options());
-    float *mp = mean.data_ptr<float>(), *ip = invstd.data_ptr<float>();
+    T *mp = mean.data_ptr<T>(), *ip = invstd.data_ptr<T>();
     const bool update = running_mean.defined() && running_var.defined();
-    float* rm = update ? running_mean.data_ptr<float>() : nullptr;
-    float* rv = update ? running_var.data_ptr<float>() : nullptr;
+    T* rm = update ? running_mean.data_ptr<T>() : nullptr;
+    T* rv = update ? running_var.data_ptr<T>() : nullptr;
     for (int64_t c = 0; c < C; ++c) {
       const double ms = S[c] / M;
       const double var = std::max(0.0, Q[c] / M - ms * ms);
       const double mu = double(k[c]) + ms;
-      mp[c] = float(mu);
-      ip[c] = float(1.0 / std::sqrt(var + eps));
+      mp[c] = T(mu);
+      ip[c] = T(1.0 / std::sqrt(var + eps));
       if (update) {
-        rm[c] = float(momentum * mu + (1.0 - momentum) * double(rm[c]));
-        rv[c] = float(momentum * var * M / (M - 1.0) + (1.0 - momentum) * double(rv[c]));
+        rm[c] = T(momentum * mu + (1.0 - momentum) * double(rm[c]));
+        rv[c] = T(momentum * var * M / (M - 1.0) + (1.0 - momentum) * double(rv[c]));
       }
     }
   }
+}
+
+}  // namespace
+
+bool batch_norm_act_supported(const at::Tensor& x, const at::Tensor& residual) {
+  if (!x.defined() || x.dim() != 4 || !x.device().is_cpu() || x.size(1) == 0) return false;
+  if (x.scalar_type() != at::kFloat && x.scalar_type() != at::kDouble) return false;
+  if (x.size(0) * x.size(2) * x.size(3) < 2) return false;
+  const bool cl = x.is_contiguous(at::MemoryFormat::ChannelsLast);
+  if (!cl && !x.is_contiguous()) return false;
+  if (!residual.defined()) return true;
+  return residual.sizes() == x.sizes() && residual.device().is_cpu() && residual.scalar_type() == x.scalar_type() &&
+         (cl ? residual.is_contiguous(at::MemoryFormat::ChannelsLast) : residual.is_contiguous());
+}
+
+at::Tensor batch_norm_act_train(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                                const at::Tensor& running_mean, const at::Tensor& running_var, double momentum,
+                                double eps, NormAct act, const at::Tensor& residual) {
+  if (!batch_norm_act_supported(x, residual))
+    throw std::invalid_argument("batch_norm_act_train: unsupported input (float32 or float64 CPU 4-D, NCHW or channels-last)");
+  at::Tensor mean, invstd;
+  if (x.scalar_type() == at::kDouble)
+    bn_stats<double>(x, running_mean, running_var, momentum, eps, mean, invstd);
+  else
+    bn_stats<float>(x, running_mean, running_var, momentum, eps, mean, invstd);
   return BnActFunction::apply(x, weight, bias, residual.defined() ? residual : at::empty({0}, x.options()), mean,
                               invstd, int64_t(act));
 }

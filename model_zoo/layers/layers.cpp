@@ -145,7 +145,7 @@ at::Tensor train_fused(imgtrain::BatchNorm2dImpl& bn, const at::Tensor& y, Act a
     case Act::HardSwish: a = ops::NormAct::HardSwish; break;
     default: return {};
   }
-  if (!ops::batch_norm_act_supported(y, residual) || bn.weight.scalar_type() != at::kFloat) return {};
+  if (!ops::batch_norm_act_supported(y, residual) || bn.weight.scalar_type() != y.scalar_type()) return {};
   double momentum;
   {
     at::NoGradGuard no_grad;  // the counter moves outside autograd, as in torch

@@ -852,87 +852,78 @@ TEST_CASE("training fusion: BatchNorm + residual + activation in one kernel equa
     }
   }
   // what the kernel does not take: the caller keeps torch's modules
-  CHECK_FALSE(ops::batch_norm_act_supported(torch::randn({2, 3, 4, 4}).to(at::kDouble), {}));
+  CHECK(ops::batch_norm_act_supported(torch::randn({2, 3, 4, 4}).to(at::kDouble), {}));  // plain loops
+  CHECK_FALSE(ops::batch_norm_act_supported(torch::randn({2, 3, 4, 4}).to(at::kBFloat16), {}));
+  CHECK_FALSE(ops::batch_norm_act_supported(torch::randn({2, 3, 4, 4}).to(at::kDouble), torch::randn({2, 3, 4, 4})));
   CHECK_FALSE(ops::batch_norm_act_supported(torch::randn({2, 3, 4, 4}).transpose(2, 3), {}));
   CHECK_FALSE(ops::batch_norm_act_supported(torch::randn({1, 3, 1, 1}), {}));
   CHECK_FALSE(ops::batch_norm_act_supported(torch::randn({2, 3, 4, 4}),
                                             torch::randn({2, 3, 4, 4}).contiguous(at::MemoryFormat::ChannelsLast)));
 }
 
-TEST_CASE("training fusion in the zoo: a step is as close to float64 as torch's float32 modules are", "[models]") {
-  // Reference: the same step with torch's modules in float64. The fused float32 step must be as
-  // accurate as the modules' float32 step (whose rounding is the yardstick: some of these
-  // quantities are zero in exact arithmetic, e.g. the bias gradient of a BatchNorm that feeds only
-  // another BatchNorm, and are pure rounding in float32 either way).
-  // A pre-activation within float32 rounding of a kink (ReLU6 at 0 of a 2x2 map: 6.4e-6 in float64,
-  // 0 in one float32 order, positive in another) lets the mask flip in either float32 step; a flip
-  // in the fused step alone moves that gradient by a visible fraction. Such a flip is chance, a
-  // wrong kernel is not: a step that misses the yardstick is tried again with two other seeds
-  // (model and input) and must meet it in both.
-  struct Step {
-    std::vector<std::string> misses;  // tensors further from float64 than the yardstick allows
-    std::vector<std::pair<std::string, at::Tensor>> plain, fused, again;
-  };
-  auto step = [](const char* name, bool cl, int seed) {
-    auto run = [&](bool fuse, at::ScalarType dtype) {
-      torch::manual_seed(seed);
-      ModelArgs a;
-      a.num_classes = 7;
-      auto m = model_zoo::create_model(name, a);
-      m->to(dtype);
-      if (cl) engine::to_channels_last(*m);
-      set_training_fusion(*m, fuse);
-      m->train();
-      auto x = torch::randn({3, 3, 48, 48}).to(dtype);
-      if (cl) x = x.contiguous(at::MemoryFormat::ChannelsLast);
-      auto y = m->forward(x);
-      torch::nn::functional::cross_entropy(y, torch::tensor({1, 4, 6})).backward();
-      std::vector<std::pair<std::string, at::Tensor>> out{{"logits", y.detach().to(at::kDouble)}};
-      for (auto& p : m->named_parameters()) out.emplace_back("grad " + p.key(), p.value().grad().to(at::kDouble));
-      for (auto& b : m->named_buffers()) out.emplace_back(b.key(), b.value().clone());
-      return out;
-    };
-    Step s;
-    const auto ref = run(false, at::kDouble);
-    s.plain = run(false, at::kFloat);
-    s.fused = run(true, at::kFloat);
-    s.again = run(true, at::kFloat);
-    REQUIRE(ref.size() == s.fused.size());
-    double grad_scale = 0;
-    for (const auto& [n, t] : ref)
-      if (n.rfind("grad ", 0) == 0) grad_scale = std::max(grad_scale, t.abs().max().item<double>());
-    for (size_t i = 0; i < ref.size(); ++i) {
-      const auto& want = ref[i].second;
-      if (want.scalar_type() == at::kLong) {
-        if (!torch::equal(want, s.fused[i].second)) s.misses.push_back(ref[i].first + " (count)");
-        continue;
-      }
-      const double floor = 1e-3 * (ref[i].first.rfind("grad ", 0) == 0 ? grad_scale : 1.0);
-      const double denom = std::max(want.abs().max().item<double>(), floor);
-      const double e_fused = (s.fused[i].second.to(at::kDouble) - want).abs().max().item<double>() / denom;
-      const double e_plain = (s.plain[i].second.to(at::kDouble) - want).abs().max().item<double>() / denom;
-      if (!(e_fused <= 4 * e_plain + 1e-4))
-        s.misses.push_back(ref[i].first + ": fused " + std::to_string(e_fused) + ", modules " + std::to_string(e_plain));
-    }
-    return s;
+TEST_CASE("training fusion in the zoo: float64 equals torch's modules, float32 is as close to float64 as they are",
+          "[models]") {
+  // float64: the fused layers (the same loops in double) against torch's modules in float64, a
+  // whole training step of five families: wiring (which layers fuse, activation, residual, saved
+  // tensors, gradients returned) and arithmetic at float64 exactness.
+  // float32: the forward values (logits, running statistics) of the fused step are as close to
+  // float64 as the modules' float32 step is (whose rounding is the yardstick). Gradients are held
+  // to torch's ops per kernel (previous test) but not here: a pre-activation within float32
+  // rounding of a kink (ReLU6 at 0: 6.4e-6 in float64, 0 in one float32 order) flips its mask in
+  // either float32 step by chance, in about half of mobilenetv2's seeds at 48 px for the modules
+  // and the fused kernel alike, and moves every gradient below it by a visible fraction.
+  auto run = [](const char* name, bool cl, bool fuse, at::ScalarType dtype) {
+    torch::manual_seed(2);
+    ModelArgs a;
+    a.num_classes = 7;
+    auto m = model_zoo::create_model(name, a);
+    m->to(dtype);
+    if (cl) engine::to_channels_last(*m);
+    set_training_fusion(*m, fuse);
+    m->train();
+    auto x = torch::randn({3, 3, 48, 48}).to(dtype);
+    if (cl) x = x.contiguous(at::MemoryFormat::ChannelsLast);
+    auto y = m->forward(x);
+    torch::nn::functional::cross_entropy(y, torch::tensor({1, 4, 6})).backward();
+    std::vector<std::pair<std::string, at::Tensor>> out{{"logits", y.detach().to(at::kDouble)}};
+    for (auto& p : m->named_parameters()) out.emplace_back("grad " + p.key(), p.value().grad().to(at::kDouble));
+    for (auto& b : m->named_buffers()) out.emplace_back(b.key(), b.value().clone());
+    return out;
   };
   for (const char* name : {"resnet18", "resnet50d", "efficientnet_b0", "mobilenetv3_large_100", "mobilenetv2_100"})
     for (bool cl : {false, true}) {
       INFO(name << (cl ? " channels-last" : " NCHW"));
-      const auto s = step(name, cl, 2);
-      bool differs = false;
-      for (size_t i = 0; i < s.fused.size(); ++i) {
-        INFO(s.fused[i].first);
-        CHECK(torch::equal(s.fused[i].second, s.again[i].second));  // deterministic
-        differs = differs || !torch::equal(s.fused[i].second, s.plain[i].second);
+      const auto ref = run(name, cl, false, at::kDouble), fused64 = run(name, cl, true, at::kDouble);
+      const auto plain = run(name, cl, false, at::kFloat), fused = run(name, cl, true, at::kFloat),
+                 again = run(name, cl, true, at::kFloat);
+      REQUIRE(ref.size() == fused64.size());
+      REQUIRE(ref.size() == fused.size());
+      double grad_scale = 0;
+      for (const auto& [n, t] : ref)
+        if (n.rfind("grad ", 0) == 0) grad_scale = std::max(grad_scale, t.abs().max().item<double>());
+      bool differs64 = false, differs = false;
+      for (size_t i = 0; i < ref.size(); ++i) {
+        INFO(ref[i].first);
+        const auto& want = ref[i].second;
+        CHECK(torch::equal(fused[i].second, again[i].second));  // deterministic
+        differs = differs || !torch::equal(fused[i].second, plain[i].second);
+        differs64 = differs64 || !torch::equal(fused64[i].second, want);
+        if (want.scalar_type() == at::kLong) {
+          CHECK(torch::equal(want, fused64[i].second));  // num_batches_tracked moved once
+          CHECK(torch::equal(want, fused[i].second));
+          continue;
+        }
+        const bool grad = ref[i].first.rfind("grad ", 0) == 0;
+        const double denom = std::max(want.abs().max().item<double>(), 1e-3 * (grad ? grad_scale : 1.0));
+        auto err = [&](const at::Tensor& t) { return (t.to(at::kDouble) - want).abs().max().item<double>() / denom; };
+        CHECK(err(fused64[i].second) < 1e-10);
+        if (grad) continue;
+        const double e_fused = err(fused[i].second), e_plain = err(plain[i].second);
+        INFO("error against float64: fused " << e_fused << ", modules " << e_plain);
+        CHECK(e_fused <= 4 * e_plain + 1e-5);
       }
-      CHECK(differs);  // the fused kernel did run
-      if (s.misses.empty()) continue;
-      for (const auto& m : s.misses) UNSCOPED_INFO("seed 2: " << m);
-      for (int seed : {3, 4}) {
-        const auto other = step(name, cl, seed);
-        for (const auto& m : other.misses) UNSCOPED_INFO("seed " << seed << ": " << m);
-        CHECK(other.misses.empty());
-      }
+      CHECK(differs);    // the fused kernel did run
+      CHECK(differs64);
     }
 }
+
