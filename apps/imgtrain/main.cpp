@@ -34,6 +34,18 @@ const char* kUsage =
     "  coco-info   check a COCO instances json and its images before training on it\n"
     "\n"
     "imgtrain <command> --help shows the command's flags; imgtrain --version the version.\n";
+
+// One line "imgtrain: error: ..." and exit status 2. A worker of imgtrain's own launcher hands the
+// line to it (one line for all workers).
+int user_error(const std::string& what) {
+  const std::string line = "imgtrain: error: " + what + "\n";
+  if (const char* fd = std::getenv("IMGTRAIN_ERROR_FD"); fd && line.size() <= 4096) {
+    const int n = std::atoi(fd);
+    if (n > 2 && write(n, line.data(), line.size()) == ssize_t(line.size())) return 2;
+  }
+  std::fputs(line.c_str(), stderr);
+  return 2;
+}
 }
 
 // glibc returns freed memory at the top of the heap to the kernel (trim) and serves big blocks
@@ -72,18 +84,18 @@ int main(int argc, char** argv) {
                  cmd.c_str());
     return 2;
   } catch (const imgtrain::UserError& e) {
-    const std::string line = std::string("imgtrain: error: ") + e.what() + "\n";
-    // A worker of imgtrain's own launcher hands the line to it (one line for all workers).
-    if (const char* fd = std::getenv("IMGTRAIN_ERROR_FD"); fd && line.size() <= 4096) {
-      const int n = std::atoi(fd);
-      if (n > 2 && write(n, line.data(), line.size()) == ssize_t(line.size())) return 2;
-    }
-    std::fputs(line.c_str(), stderr);
-    return 2;
+    return user_error(e.what());
   } catch (const imgtrain::dist::PeerLost& e) {
     std::fprintf(stderr, "imgtrain: error: %s\n", e.what());
     return 1;
   } catch (const c10::Error& e) {
+    // torch's BatchNorm refuses a single value per channel in training (batch of 1 reaching 1x1
+    // maps): the user's choice of -b / --img-size, not a bug
+    if (std::string(e.what_without_backtrace()).find("Expected more than 1 value per channel when training") !=
+        std::string::npos)
+      return user_error(
+          "a BatchNorm layer got one value per channel in training (a batch of 1 reaching 1x1 feature maps): use "
+          "-b/--batch-size of at least 2 per process, or a larger --img-size");
     std::fprintf(stderr, "imgtrain: internal error: %s\n", e.what_without_backtrace());
     return 1;
   } catch (const std::exception& e) {

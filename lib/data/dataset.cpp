@@ -332,6 +332,24 @@ std::optional<cv::Size> header_size(const std::string& b) {
     }
   }
   if (format == std::string("PNG") && b.size() >= 24) return size(be32(16), be32(20));
+  if (format == std::string("TIFF") && b.size() >= 8) {  // the first image's ImageWidth / ImageLength tags
+    const bool le = u[0] == 'I';
+    auto rd16 = [&](size_t at) { return le ? le16(at) : (int64_t(u[at]) << 8 | int64_t(u[at + 1])); };
+    auto rd32 = [&](size_t at) { return le ? int64_t(uint32_t(le32(at))) : be32(at); };
+    const int64_t ifd = rd32(4);
+    if (ifd < 8 || ifd > int64_t(b.size()) - 2) return std::nullopt;
+    const int64_t n = rd16(size_t(ifd));
+    int64_t w = -1, h = -1;
+    for (int64_t e = 0; e < n; ++e) {
+      const int64_t at = ifd + 2 + 12 * e;
+      if (at + 12 > int64_t(b.size())) break;
+      const int64_t tag = rd16(size_t(at)), type = rd16(size_t(at + 2));
+      if (tag != 256 && tag != 257) continue;
+      const int64_t v = type == 3 ? rd16(size_t(at + 8)) : type == 4 ? rd32(size_t(at + 8)) : -1;
+      (tag == 256 ? w : h) = v;
+    }
+    return size(w, h);
+  }
   if (format == std::string("BMP") && b.size() >= 26) return size(std::abs(le32(18)), std::abs(le32(22)));
   if (format == std::string("WebP") && b.size() >= 30) {
     if (!b.compare(12, 4, "VP8X")) return size(le24(24) + 1, le24(27) + 1);
@@ -639,7 +657,15 @@ class ImageFolder : public Dataset {
 void read_file_bytes(const std::string& path, std::string& bytes) {
   std::ifstream f(path, std::ios::binary | std::ios::ate);
   if (!f) throw DecodeError(fmt::format("cannot read '{}'", path));
-  bytes.resize(size_t(f.tellg()));
+  const int64_t size = int64_t(f.tellg());
+  // No image within the pixel limit needs more bytes than 8 per pixel (16-bit RGBA, uncompressed)
+  // plus headers: a larger file is not read into memory.
+  const int64_t limit = max_image_pixels();
+  if (limit > 0 && size > 8 * limit + (int64_t(1) << 20))
+    throw DecodeError(fmt::format("'{}' is {} bytes, more than any image within the pixel limit of {} needs "
+                                  "(--max-image-pixels); skipped",
+                                  path, size, limit));
+  bytes.resize(size_t(size));
   f.seekg(0);
   if (!f.read(bytes.data(), std::streamsize(bytes.size()))) throw DecodeError(fmt::format("cannot read '{}'", path));
 }

@@ -163,6 +163,7 @@ cv::Mat transform_encoded(const std::string& bytes, const TransformConfig& tc, s
                           const std::string& what) {
   if (!is_jpeg(bytes)) return apply_transform(decode_image(bytes, what), tc, rng);
   const cv::Size full = jpeg_size(bytes, what);
+  check_image_pixels(full.width, full.height, what);  // before anything is allocated, as decode_image does
   if (!tc.train || tc.no_aug) {
     const auto cc = center_crop_params(tc);
     const int shorter = std::min(full.width, full.height);

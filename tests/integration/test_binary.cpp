@@ -406,6 +406,19 @@ TEST_CASE("a ViT trains at a custom image size, and a size off the patch grid is
   expect_user_error(test::run(kBin + " train --data-dir " + data + args + " --img-size 28"), "multiple of its patch size 16");
 }
 
+TEST_CASE("a batch of one reaching 1x1 maps under BatchNorm is the user's choice, said in one line", "[integration][fault]") {
+  auto data = test::fmnist_folder(200, 100);
+  test::TempDir out("b1");
+  auto r = test::run(kBin + " train --data-dir " + data + " --model resnet18 --in-chans 1 --img-size 32 -b 1 -j 1 "
+                     "--device cpu --epochs 1 --output " + out.path.string());
+  INFO(r.output);
+  CHECK(r.code == 2);  // after the start-up log, the error is the one line that ends the output
+  CHECK_THAT(r.output, Catch::EndsWith("imgtrain: error: a BatchNorm layer got one value per channel in training (a "
+                                       "batch of 1 reaching 1x1 feature maps): use -b/--batch-size of at least 2 per "
+                                       "process, or a larger --img-size\n"));
+  CHECK_THAT(r.output, !Catch::Contains("internal error"));
+}
+
 TEST_CASE("a timm args.yaml trains, with the command line overriding it", "[integration]") {
   auto data = test::fmnist_folder(200, 100);
   test::TempDir out("timmargs");

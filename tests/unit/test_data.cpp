@@ -186,6 +186,54 @@ TEST_CASE("decompression bombs are refused from the header, and resizes that wou
     INFO(ext);
     CHECK(header_size(encode(im, ext)) == cv::Size(21, 13));
   }
+  CHECK(header_size(encode(im, ".tiff")) == cv::Size(21, 13));
+  // a TIFF whose first image claims 30000 x 30000 (ImageWidth / ImageLength, LONG) is refused from
+  // its header, in either byte order (OpenCV decoded a 1.3 MB one into 4 GB)
+  for (bool little : {true, false}) {
+    auto put16 = [&](std::string& b, int v) {
+      little ? (b += char(v & 0xff), b += char(v >> 8)) : (b += char(v >> 8), b += char(v & 0xff));
+    };
+    auto put32 = [&](std::string& b, uint32_t v) {
+      for (int k = 0; k < 4; ++k) b += char((little ? v >> (8 * k) : v >> (24 - 8 * k)) & 0xff);
+    };
+    std::string tiff = little ? std::string("II*\0", 4) : std::string("MM\0*", 4);
+    put32(tiff, 8);
+    put16(tiff, 2);
+    for (int tag : {256, 257}) put16(tiff, tag), put16(tiff, 4), put32(tiff, 1), put32(tiff, 30000);
+    put32(tiff, 0);
+    CHECK(header_size(tiff) == cv::Size(30000, 30000));
+    CHECK_THAT(msg([&] { decode_image(tiff, "bomb.tif"); }), Catch::Contains("bomb.tif") && Catch::Contains("above the limit"));
+  }
+  // a JPEG whose frame header claims 65500 x 65500 is refused on the training path too (which reads
+  // the size to pick a DCT scale before decoding)
+  {
+    std::string jpg = encode(im, ".jpg");
+    const auto sof = jpg.find("\xff\xc0");
+    REQUIRE(sof != std::string::npos);
+    for (size_t at : {sof + 5, sof + 7}) jpg[at] = char(0xff), jpg[at + 1] = char(0xdc);
+    CHECK(header_size(jpg) == cv::Size(65500, 65500));
+    for (bool train : {true, false}) {
+      TransformConfig tc;
+      tc.train = train;
+      std::mt19937_64 rng(1);
+      CHECK_THAT(msg([&] { apply_transform_encoded(jpg, tc, rng, "bomb.jpg"); }),
+                 Catch::Contains("bomb.jpg") && Catch::Contains("65500x65500") && Catch::Contains("above the limit"));
+    }
+  }
+  // a file larger than any image within the limit could be is not read into memory
+  {
+    test::TempDir d("bigfile");
+    test::write_file(d / "huge.png", std::string(1100000, 'x'));
+    std::string bytes;
+    set_max_image_pixels(1000);  // 8 bytes a pixel + 1 MiB: 1,056,576 bytes
+    CHECK_THAT(msg([&] { read_file_bytes(d / "huge.png", bytes); }),
+               Catch::Contains("huge.png") && Catch::Contains("1100000 bytes") && Catch::Contains("--max-image-pixels"));
+    CHECK(bytes.empty());
+    set_max_image_pixels(0);
+    CHECK_NOTHROW(read_file_bytes(d / "huge.png", bytes));
+    CHECK(bytes.size() == 1100000);
+    set_max_image_pixels(kDefaultMaxImagePixels);
+  }
   // 1 x 20000 decodes, but its eval resize (shorter side 256) would be 256 x 5,120,000
   const auto line = encode(cv::Mat(1, 20000, CV_8UC3, cv::Scalar(1, 2, 3)), ".png");
   CHECK(decode_image(line, "line.png").cols == 20000);
