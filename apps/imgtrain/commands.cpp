@@ -142,6 +142,10 @@ int export_weights(const std::vector<std::string>& args) {
   if (ema && prefix != "ema.") throw UserError(fmt::format("--use-ema: '{}' has no EMA weights", ckpt));
   // Check the weights against the architecture they claim before writing them out.
   if (const auto& m = ck.meta(); !m.arch.empty()) {
+    if (!model_zoo::find_model(m.arch))
+      throw UserError(fmt::format("'{}': metadata 'arch' is '{}', a model imgtrain does not know (`imgtrain models` "
+                                  "lists them)",
+                                  ckpt, m.arch));
     ModelArgs margs;
     if (m.num_classes) margs.num_classes = *m.num_classes;
     if (m.in_chans) margs.in_chans = *m.in_chans;

@@ -365,7 +365,13 @@ cli::Config with_model_defaults(const cli::Config& given, const std::string& arc
 
 TaskSetup create_validate_task(const cli::Config& cfg, const engine::CheckpointMeta* meta) {
   std::string arch = cfg.model;
-  if (meta && !meta->arch.empty() && cfg.model == cli::Config{}.model) arch = meta->arch;
+  if (meta && !meta->arch.empty() && cfg.model == cli::Config{}.model) {  // --model at its default: the checkpoint's
+    arch = meta->arch;
+    if (!model_zoo::find_model(arch))  // not blamed on a --model the user never gave
+      throw UserError(fmt::format("--checkpoint: metadata 'arch' is '{}', a model imgtrain does not know "
+                                  "(`imgtrain models` lists them; --model overrides the checkpoint's)",
+                                  arch));
+  }
   const std::string task = model_zoo::model_task(arch);
   cli::check_flags_for_task(cfg, task, arch);
   if (task == "classification") return classification_validate_setup(cfg, meta);

@@ -419,6 +419,18 @@ TEST_CASE("a batch of one reaching 1x1 maps under BatchNorm is the user's choice
   CHECK_THAT(r.output, !Catch::Contains("internal error"));
 }
 
+TEST_CASE("a checkpoint naming a model imgtrain does not know is refused by its metadata, not by --model", "[integration][fault]") {
+  test::TempDir d("archbad");
+  io::save_safetensors(d / "ck.safetensors", {{"w", torch::ones({2})}}, {{"arch", "notamodel"}});
+  auto e = test::run(kBin + " export --checkpoint " + (d / "ck.safetensors") + " --out " +
+                     (d / "o.safetensors"));
+  expect_user_error(e, "metadata 'arch' is 'notamodel'");
+  CHECK_THAT(e.output, !Catch::Contains("--model"));
+  auto data = test::fmnist_folder(20, 10);
+  auto v = test::run(kBin + " validate --data-dir " + data + " --device cpu --checkpoint " + (d / "ck.safetensors"));
+  expect_user_error(v, "metadata 'arch' is 'notamodel'");
+}
+
 TEST_CASE("a timm args.yaml trains, with the command line overriding it", "[integration]") {
   auto data = test::fmnist_folder(200, 100);
   test::TempDir out("timmargs");

@@ -255,6 +255,25 @@ TEST_CASE("a user error only the workers can see: one line from the launcher, ex
   CHECK_THAT(r.output, !Catch::Contains("launcher: worker rank"));
 }
 
+TEST_CASE("workers that all stop on unreadable images in training: one line from the launcher", "[dist][fault]") {
+  test::TempDir d("dist-allbad");
+  // every training image unreadable: each worker stops after its own run of failures, naming its
+  // own last file, at about the same time
+  for (const char* c : {"a", "b"})
+    for (const char* split : {"train", "val"})
+      for (int i = 0; i < 60; ++i) test::write_file(d / fmt::format("{}/{}/{}.png", split, c, i), "not a png");
+  auto r = test::run(kBin + " train --data-dir " + d.path.string() +
+                     " --model resnet18 --img-size 16 -b 2 --epochs 1 --device cpu -j 1 --nproc-per-node 2 --output " +
+                     (d / "out"));
+  INFO(r.output);
+  CHECK(r.code == 2);
+  size_t errors = 0;
+  for (size_t p = r.output.find("imgtrain: error:"); p != std::string::npos; p = r.output.find("imgtrain: error:", p + 1))
+    ++errors;
+  CHECK(errors == 1);
+  CHECK_THAT(r.output, !Catch::Contains("launcher: worker rank"));
+}
+
 TEST_CASE("torchrun --max-restarts 1 with a worker killed once: --resume auto continues and finishes", "[dist]") {
   auto data = test::fmnist_folder();
   test::TempDir out("dist-restart");

@@ -250,6 +250,22 @@ TEST_CASE("the checkpoint format round-trips every field and tensor", "[engine][
     CHECK_THROWS_WITH(engine::Checkpoint::read(d / "pos.safetensors").require_training("--resume", "regressor"),
                       Catch::Contains("metadata '" + k + "' is " + v + ", expected"));
   }
+  // the plateau scheduler's state: three numbers, or the resumed run would train at lr 0
+  for (std::string v : {"a b", "0.1 0.5", "nan 0.5 1", "0.1 0.5 1 junk", "0.1 0.5 -1", "-0.1 0.5 1", "inf 0 0"}) {
+    INFO("plateau = " << v);
+    auto md = m.to_metadata();
+    md["plateau"] = v;
+    io::save_safetensors(d / "pos.safetensors", io::state_dict(*model), md);
+    CHECK_THROWS_WITH(engine::Checkpoint::read(d / "pos.safetensors").require_training("--resume", "regressor"),
+                      Catch::Contains("metadata 'plateau' is '" + v + "', expected"));
+  }
+  for (std::string v : {"0.1 0.5 2", "0.01 inf 0", "1e-3 -0.25 10"}) {
+    INFO("plateau = " << v);
+    auto md = m.to_metadata();
+    md["plateau"] = v;
+    io::save_safetensors(d / "pos.safetensors", io::state_dict(*model), md);
+    CHECK_NOTHROW(engine::Checkpoint::read(d / "pos.safetensors").require_training("--resume", "regressor"));
+  }
 
   // --resume auto: the most updates first; at a tie the end-of-epoch file before the recovery
   // one; unreadable files and plain weights are passed over.
