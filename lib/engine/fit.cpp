@@ -15,6 +15,7 @@
 #include "model_zoo/registry.h"
 #include "tasks/tasks.h"
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <fmt/ranges.h>
 #include <torch/torch.h>
 
@@ -154,7 +155,15 @@ ResumePoint resume(Run& r, const cli::Config& cfg, std::optional<Checkpoint> che
   }
   if (!cfg.no_resume_opt) r.optimizer->load_state(ck.section("optim."));
   if (r.scaler) r.scaler->load_state(ck.section("scaler."));
-  if (auto* rng = ck.find("rng.cpu")) p.rng = *rng;
+  if (auto* rng = ck.find("rng.cpu")) {
+    try {  // a generator state of the wrong size or kind is the file's fault, said here by name
+      at::make_generator<at::CPUGeneratorImpl>().set_state(*rng);
+    } catch (const c10::Error&) {
+      throw UserError(fmt::format("--resume '{}': tensor 'rng.cpu' is not a CPU generator state ({} {} values)", path,
+                                  rng->numel(), c10::toString(rng->scalar_type())));
+    }
+    p.rng = *rng;
+  }
   if (auto* rng = ck.find("rng.cuda")) p.rng_cuda = *rng;
   const auto& m = ck.meta();
   p.start_epoch = *m.epoch + 1;
@@ -274,6 +283,10 @@ int fit(const cli::Config& given_cfg, torch::Device device, dist::Context* ctx) 
   const std::string resumed_from = resume_from ? resume_from->path() : "";
   const bool resumed_from_recovery = resume_from && resume_from->meta().recovery_update.has_value();
   ResumePoint rp = resume(r, cfg, std::move(resume_from), saver);
+  if (rp.start_update > updates_per_epoch)  // a recovery point past the end of an epoch of this data
+    throw UserError(fmt::format("--resume '{}': metadata 'recovery_update' is {}, but an epoch here has {} updates "
+                                "(the checkpoint does not belong to this data and batch size)",
+                                resumed_from, rp.start_update - 1, updates_per_epoch));
   int64_t start_epoch = rp.start_epoch;
   if (cfg.model_ema) {
     // Created after any resume of the model, as timm does, then given the checkpoint's EMA.

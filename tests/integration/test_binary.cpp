@@ -431,6 +431,42 @@ TEST_CASE("a checkpoint naming a model imgtrain does not know is refused by its 
   expect_user_error(v, "metadata 'arch' is 'notamodel'");
 }
 
+TEST_CASE("a damaged generator state or a recovery point past the epoch's end is refused by name on --resume",
+          "[integration][fault]") {
+  auto data = test::fmnist_folder(200, 100);
+  test::TempDir out("badstate");
+  const std::string args = " --data-dir " + data + kSmallArgs + " --output " + out.path.string() + " --experiment e";
+  auto r = test::run(kBin + " train" + args + " --epochs 1");
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  auto ck = io::load_safetensors(out / "e/last.safetensors");
+  auto damaged = [&](const std::string& name, const std::function<void(io::SafeTensors&)>& edit) {
+    auto c = ck;
+    edit(c);
+    const std::string path = out / name;
+    io::save_safetensors(path, c.tensors, c.metadata);
+    return test::run(kBin + " train" + args + " --epochs 2 --resume " + path);
+  };
+  // after the start-up log, the error is the one line that ends the output
+  auto last_line_error = [](const test::RunResult& res, const std::string& needle) {
+    INFO(res.output);
+    CHECK(res.code == 2);
+    const auto start = res.output.rfind("imgtrain: error: ");
+    REQUIRE(start != std::string::npos);
+    CHECK(res.output.find('\n', start) == res.output.size() - 1);
+    CHECK_THAT(res.output.substr(start), Catch::Contains(needle));
+    CHECK_THAT(res.output, !Catch::Contains("internal error"));
+  };
+  last_line_error(damaged("rng.safetensors",
+                          [](io::SafeTensors& c) {
+                            for (auto& [k, v] : c.tensors)
+                              if (k == "rng.cpu") v = torch::zeros({100}, torch::kUInt8);
+                          }),
+                  "tensor 'rng.cpu' is not a CPU generator state");
+  last_line_error(damaged("rec.safetensors", [](io::SafeTensors& c) { c.metadata["recovery_update"] = "999999"; }),
+                  "metadata 'recovery_update' is 999999, but an epoch here has");
+}
+
 TEST_CASE("a timm args.yaml trains, with the command line overriding it", "[integration]") {
   auto data = test::fmnist_folder(200, 100);
   test::TempDir out("timmargs");
