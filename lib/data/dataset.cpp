@@ -691,6 +691,17 @@ std::shared_ptr<Dataset> create_dataset(const std::string& kind, const std::stri
   std::error_code ec;
   if (!fs::is_directory(root, ec)) throw UserError(fmt::format("--data-dir '{}': no such folder", root));
   const std::string folder = find_split_folder(root, split);
+  if (folder == root && !split.empty()) {
+    // No such split: the folder itself is read, its subfolders as classes (as timm does). When those
+    // subfolders are other splits, the split name was most likely misspelt: said once, as a warning.
+    std::vector<std::string> splits;
+    for (const char* s : {"train", "training", "val", "valid", "validation", "eval", "evaluation", "test"})
+      if (fs::is_directory(fs::path(root) / s, ec)) splits.push_back(s);
+    if (!splits.empty())
+      log::warn("--data-dir '{}' has no '{}' split folder: the folder itself is read, with its split folders ({}) "
+                "as the classes",
+                root, split, fmt::join(splits, ", "));
+  }
   if (!find_shards(folder).empty()) return open_shards(folder);
   return std::make_shared<ImageFolder>(folder);
 }

@@ -254,6 +254,21 @@ TEST_CASE("split folder synonyms and empty splits", "[data][folder]") {
   CHECK_THAT(user_error([&] { create_dataset("", d / "empty", "validation"); }),
              Catch::Contains("no images") && Catch::Contains("empty/eval"));
   CHECK_THAT(user_error([&] { create_dataset("", d / "missing", "train"); }), Catch::Contains("missing"));
+  // a split that is not there, beside ones that are: the folder itself is read (as timm), with a warning
+  std::fflush(stderr);
+  const int saved = dup(2);
+  FILE* sink = std::fopen((d / "err.txt").c_str(), "w");
+  dup2(fileno(sink), 2);
+  const auto whole = create_dataset("", d.path.string(), "nosuch");
+  const auto quiet = create_dataset("", d / "val", "nosuch");  // a plain class folder: no warning
+  std::fflush(stderr);
+  dup2(saved, 2);
+  close(saved);
+  std::fclose(sink);
+  const auto err = test::read_file(d / "err.txt");
+  CHECK_THAT(err, Catch::Contains("has no 'nosuch' split folder") && Catch::Contains("(training, val)"));
+  CHECK(std::count(err.begin(), err.end(), '\n') == 1);
+  CHECK(whole->size() == 2);  // val/a/x.png and training/a/x.png as two classes
   CHECK_THAT(user_error([&] { create_dataset("", "", "train"); }), Catch::Contains("--data-dir"));
 }
 
