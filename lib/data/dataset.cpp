@@ -670,14 +670,18 @@ void read_file_bytes(const std::string& path, std::string& bytes) {
   if (!f.read(bytes.data(), std::streamsize(bytes.size()))) throw DecodeError(fmt::format("cannot read '{}'", path));
 }
 
+namespace {
+// The split folder names timm accepts for each split.
+const std::vector<std::string> kTrainSplits = {"train", "training"};
+const std::vector<std::string> kEvalSplits = {"val", "valid", "validation", "eval", "evaluation"};
+}  // namespace
+
 std::string find_split_folder(const std::string& root, const std::string& split) {
-  static const std::vector<std::string> train_syn = {"train", "training"};
-  static const std::vector<std::string> eval_syn = {"val", "valid", "validation", "eval", "evaluation"};
   std::error_code ec;
   if (fs::exists(fs::path(root) / split, ec)) return (fs::path(root) / split).string();
   const std::vector<std::string>* syn = nullptr;
-  if (std::find(train_syn.begin(), train_syn.end(), split) != train_syn.end()) syn = &train_syn;
-  if (std::find(eval_syn.begin(), eval_syn.end(), split) != eval_syn.end()) syn = &eval_syn;
+  if (std::find(kTrainSplits.begin(), kTrainSplits.end(), split) != kTrainSplits.end()) syn = &kTrainSplits;
+  if (std::find(kEvalSplits.begin(), kEvalSplits.end(), split) != kEvalSplits.end()) syn = &kEvalSplits;
   if (syn)
     for (auto& s : *syn)
       if (fs::exists(fs::path(root) / s, ec)) return (fs::path(root) / s).string();
@@ -695,8 +699,9 @@ std::shared_ptr<Dataset> create_dataset(const std::string& kind, const std::stri
     // No such split: the folder itself is read, its subfolders as classes (as timm does). When those
     // subfolders are other splits, the split name was most likely misspelt: said once, as a warning.
     std::vector<std::string> splits;
-    for (const char* s : {"train", "training", "val", "valid", "validation", "eval", "evaluation", "test"})
-      if (fs::is_directory(fs::path(root) / s, ec)) splits.push_back(s);
+    for (const auto* names : {&kTrainSplits, &kEvalSplits})
+      for (const auto& s : *names)
+        if (fs::is_directory(fs::path(root) / s, ec)) splits.push_back(s);
     if (!splits.empty())
       log::warn("--data-dir '{}' has no '{}' split folder: the folder itself is read, with its split folders ({}) "
                 "as the classes",

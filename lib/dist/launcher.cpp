@@ -306,7 +306,7 @@ int launch(const LaunchOptions& o, const std::vector<std::string>& argv) {
   close(err_pipe[1]);
   fcntl(err_pipe[0], F_SETFL, O_NONBLOCK);
   std::string reported;                 // bytes read from the pipe
-  std::vector<std::string> printed;     // the line on stderr (the first one reported)
+  std::string printed;                  // the line on stderr (the first one reported)
   // One line for the whole job: workers that meet the same bad input at once word it for their own
   // shard (e.g. the last of 50 unreadable files each), so only the first line reported is printed.
   auto print_reported = [&] {
@@ -314,9 +314,8 @@ int launch(const LaunchOptions& o, const std::vector<std::string>& argv) {
     for (ssize_t n; (n = read(err_pipe[0], buf, sizeof buf)) > 0;) reported.append(buf, size_t(n));
     for (size_t nl; (nl = reported.find('\n')) != std::string::npos; reported.erase(0, nl + 1)) {
       if (!printed.empty()) continue;
-      const std::string line = reported.substr(0, nl + 1);
-      std::fputs(line.c_str(), stderr);
-      printed.push_back(line);
+      printed = reported.substr(0, nl + 1);
+      std::fputs(printed.c_str(), stderr);
     }
   };
   const int64_t rank0 = o.node_rank * o.nproc_per_node;

@@ -198,23 +198,27 @@ void Checkpoint::require_training(const std::string& flag, const std::string& ar
   if (meta_.recovery_update && *meta_.recovery_update < 0)
     throw bad("recovery_update", *meta_.recovery_update, "an integer >= 0");
   if (meta_.best_epoch && *meta_.best_epoch < -1) throw bad("best_epoch", *meta_.best_epoch, "an integer >= -1");
-  if (!meta_.plateau.empty()) {  // "<lr> <best metric> <epochs without improvement>", as the plateau scheduler left it
-    std::istringstream in(meta_.plateau);
-    std::string t[3], rest;
-    bool ok = bool(in >> t[0] >> t[1] >> t[2]) && !(in >> rest);
-    double v[2] = {0, 0};
-    for (int i = 0; ok && i < 2; ++i) {
-      char* end = nullptr;
-      v[i] = std::strtod(t[i].c_str(), &end);
-      ok = *end == '\0' && !std::isnan(v[i]);
-    }
-    ok = ok && std::isfinite(v[0]) && v[0] >= 0 && !t[2].empty() &&
-         t[2].find_first_not_of("0123456789") == std::string::npos && t[2].size() <= 9;
-    if (!ok)
-      throw UserError(fmt::format("{} '{}': metadata 'plateau' is '{}', expected '<lr> <best metric> <epochs without "
-                                  "improvement>' (a finite lr >= 0, a number, an integer >= 0)",
-                                  flag, path_, meta_.plateau));
+  if (!meta_.plateau.empty() && !parse_plateau(meta_.plateau))
+    throw UserError(fmt::format("{} '{}': metadata 'plateau' is '{}', expected '<lr> <best metric> <epochs without "
+                                "improvement>' (a finite lr >= 0, a number, an integer >= 0)",
+                                flag, path_, meta_.plateau));
+}
+
+std::optional<PlateauMeta> parse_plateau(const std::string& text) {
+  std::istringstream in(text);
+  std::string t[3], rest;
+  if (!(in >> t[0] >> t[1] >> t[2]) || (in >> rest)) return std::nullopt;
+  PlateauMeta m;
+  double* v[2] = {&m.lr, &m.best};
+  for (int i = 0; i < 2; ++i) {  // strtod: "inf" too, which a stream does not read
+    char* end = nullptr;
+    *v[i] = std::strtod(t[i].c_str(), &end);
+    if (*end != '\0' || std::isnan(*v[i])) return std::nullopt;
   }
+  if (!std::isfinite(m.lr) || m.lr < 0 || t[2].size() > 9 || t[2].find_first_not_of("0123456789") != std::string::npos)
+    return std::nullopt;
+  m.num_bad = std::stoll(t[2]);
+  return m;
 }
 
 std::vector<std::string> find_checkpoints(const std::string& dir) {

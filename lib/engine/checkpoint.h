@@ -20,6 +20,14 @@ namespace imgtrain::engine {
 
 // What a checkpoint's header says. The model part (arch .. crop_pct) is what rebuilding the
 // model needs; the rest is the training position. Fields absent from a file stay unset.
+// The plateau scheduler's state as a checkpoint keeps it: "<lr> <best metric> <epochs without
+// improvement>". nullopt when the text is not that (a finite lr >= 0, a number, an integer >= 0).
+struct PlateauMeta {
+  double lr = 0, best = 0;
+  int64_t num_bad = 0;
+};
+std::optional<PlateauMeta> parse_plateau(const std::string& text);
+
 struct CheckpointMeta {
   // the model
   std::string arch;

@@ -22,7 +22,6 @@
 #include <chrono>
 #include <csignal>
 #include <filesystem>
-#include <sstream>
 
 namespace fs = std::filesystem;
 
@@ -313,9 +312,11 @@ int fit(const cli::Config& given_cfg, torch::Device device, dist::Context* ctx) 
   else
     log::info("Scheduled epochs: {}. LR stepped per {}.", num_epochs, scheduler.on_updates() ? "update" : "epoch");
   if (start_epoch > 0 && cfg.sched == "plateau" && !rp.plateau.empty()) {
-    optim::Scheduler::PlateauState ps;  // the metric-driven state as the checkpoint left it
-    std::istringstream in(rp.plateau);
-    in >> ps.lr >> ps.best >> ps.num_bad;
+    const auto pm = parse_plateau(rp.plateau).value();  // checked when the checkpoint was read
+    optim::Scheduler::PlateauState ps;                   // the metric-driven state as the checkpoint left it
+    ps.lr = pm.lr;
+    ps.best = pm.best;
+    ps.num_bad = pm.num_bad;
     scheduler.set_plateau_state(ps);
     r.optimizer->set_lr(ps.lr);
   } else if (start_epoch > 0) {  // as timm: position the schedule at the resumed epoch

@@ -543,37 +543,35 @@ void bn_stats(const at::Tensor& x, const at::Tensor& running_mean, const at::Ten
   // the statistics: sums of x - k with k = the channel's first value (shifted sums keep the
   // variance exact when the mean is large against the spread)
   std::vector<T> k(C);
-  {
-    at::NoGradGuard no_grad;
-    const T* xp = x.data_ptr<T>();
-    for (int64_t c = 0; c < C; ++c) k[c] = g.channels_last ? xp[c] : xp[c * HW];
-    const auto k_w = repeat<T>(k.data(), C, wide(g));
-    std::vector<double> S, Q;
-    channel_sums<T>(
-        g, S, Q,
-        [&](int64_t off, int64_t rows, int64_t width, T* s, T* q) {
-          cl_stats(xp + off, k_w.data(), rows, width, s, q);
-        },
-        [&](int64_t c, double& s, double& q) {
-          for (int64_t n = 0; n < g.N; ++n) cf_stats(xp + (n * C + c) * HW, HW, k[c], s, q);
-        });
-    const double M = double(g.count());
-    mean = at::empty({C}, x.options());
-    invstd = at::empty({C}, x.options());
-    T *mp = mean.data_ptr<T>(), *ip = invstd.data_ptr<T>();
-    const bool update = running_mean.defined() && running_var.defined();
-    T* rm = update ? running_mean.data_ptr<T>() : nullptr;
-    T* rv = update ? running_var.data_ptr<T>() : nullptr;
-    for (int64_t c = 0; c < C; ++c) {
-      const double ms = S[c] / M;
-      const double var = std::max(0.0, Q[c] / M - ms * ms);
-      const double mu = double(k[c]) + ms;
-      mp[c] = T(mu);
-      ip[c] = T(1.0 / std::sqrt(var + eps));
-      if (update) {
-        rm[c] = T(momentum * mu + (1.0 - momentum) * double(rm[c]));
-        rv[c] = T(momentum * var * M / (M - 1.0) + (1.0 - momentum) * double(rv[c]));
-      }
+  at::NoGradGuard no_grad;
+  const T* xp = x.data_ptr<T>();
+  for (int64_t c = 0; c < C; ++c) k[c] = g.channels_last ? xp[c] : xp[c * HW];
+  const auto k_w = repeat<T>(k.data(), C, wide(g));
+  std::vector<double> S, Q;
+  channel_sums<T>(
+      g, S, Q,
+      [&](int64_t off, int64_t rows, int64_t width, T* s, T* q) {
+        cl_stats(xp + off, k_w.data(), rows, width, s, q);
+      },
+      [&](int64_t c, double& s, double& q) {
+        for (int64_t n = 0; n < g.N; ++n) cf_stats(xp + (n * C + c) * HW, HW, k[c], s, q);
+      });
+  const double M = double(g.count());
+  mean = at::empty({C}, x.options());
+  invstd = at::empty({C}, x.options());
+  T *mp = mean.data_ptr<T>(), *ip = invstd.data_ptr<T>();
+  const bool update = running_mean.defined() && running_var.defined();
+  T* rm = update ? running_mean.data_ptr<T>() : nullptr;
+  T* rv = update ? running_var.data_ptr<T>() : nullptr;
+  for (int64_t c = 0; c < C; ++c) {
+    const double ms = S[c] / M;
+    const double var = std::max(0.0, Q[c] / M - ms * ms);
+    const double mu = double(k[c]) + ms;
+    mp[c] = T(mu);
+    ip[c] = T(1.0 / std::sqrt(var + eps));
+    if (update) {
+      rm[c] = T(momentum * mu + (1.0 - momentum) * double(rm[c]));
+      rv[c] = T(momentum * var * M / (M - 1.0) + (1.0 - momentum) * double(rv[c]));
     }
   }
 }
