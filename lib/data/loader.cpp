@@ -228,7 +228,10 @@ void Loader::start_epoch(int64_t epoch, size_t first_batch) {
   if (!group_ids_.empty()) order_ = grouped_batches(order_, group_ids_, opt_.batch_size);
   next_batch_ = std::min(first_batch, num_batches_);
   next_to_make_ = next_batch_;
-  skipped_epoch_ = 0;
+  {
+    std::lock_guard<std::mutex> lk(warn_mu_);
+    skipped_epoch_.clear();
+  }
   ready_.clear();
   worker_error_.reset();
   worker_user_error_ = false;
@@ -269,9 +272,15 @@ void Loader::worker_loop() {
   }
 }
 
-std::optional<size_t> Loader::load_sample(size_t key, int64_t& skipped,
-                                          const std::function<void(size_t, std::mt19937_64&)>& load) {
+int64_t Loader::skipped_this_epoch() const {
+  std::lock_guard<std::mutex> lk(warn_mu_);
+  return int64_t(skipped_epoch_.size());
+}
+
+std::optional<size_t> Loader::load_sample(size_t key, const std::function<void(size_t, std::mt19937_64&)>& load) {
   size_t idx = key % ds_->size();
+  // a split smaller than the limit is unreadable as a whole once every image has been tried
+  const size_t give_up = std::min<size_t>(kMaxConsecutiveUnreadable, ds_->size());
   for (int attempt = 0;; ++attempt) {
     // the first try draws from (seed, epoch, key): the same augmentation as without refilling
     auto rng = sample_rng(opt_.seed, uint64_t(epoch_), key + size_t(attempt) * 0x9E3779B97F4A7C15ull);
@@ -286,12 +295,15 @@ std::optional<size_t> Loader::load_sample(size_t key, int64_t& skipped,
       {
         std::lock_guard<std::mutex> lk(warn_mu_);
         if (warned_.insert(idx).second) log::warn("skipping unreadable image: {}", why);
+        skipped_epoch_.insert(idx);
       }
-      ++skipped;
       if (!opt_.refill_unreadable) return std::nullopt;
-      if (attempt + 1 >= kMaxConsecutiveUnreadable)
-        throw UserError(fmt::format("{} unreadable images in a row (the last: {}); is the data readable?",
-                                    kMaxConsecutiveUnreadable, why));
+      if (size_t(attempt) + 1 >= give_up)
+        throw UserError(give_up == ds_->size()
+                            ? fmt::format("all {} images are unreadable (the last: {}); is the data readable?",
+                                          give_up, why)
+                            : fmt::format("{} unreadable images in a row (the last: {}); is the data readable?",
+                                          give_up, why));
       idx = (idx + 1) % ds_->size();  // timm: the next index takes its place
     }
   }
@@ -317,7 +329,7 @@ Batch Loader::make_batch(size_t b) {
     // (--aug-repeats), so every copy draws its own augmentation.
     const size_t key = size_t(order_[k]);
     cv::Mat img;
-    const auto idx = load_sample(key, out.skipped, [&](size_t i, std::mt19937_64& rng) {
+    const auto idx = load_sample(key, [&](size_t i, std::mt19937_64& rng) {
       std::string bytes;
       img = ds_->encoded(i, bytes) ? apply_transform_encoded(bytes, tc_, rng, ds_->describe(i))
                                    : apply_transform(ds_->image(i), tc_, rng);
@@ -342,7 +354,7 @@ Batch Loader::make_detection_batch(size_t begin, size_t end) {
   for (size_t k = begin; k < end; ++k) {
     cv::Mat img;
     BoxTarget t;
-    const auto idx = load_sample(size_t(order_[k]), out.skipped, [&](size_t i, std::mt19937_64& rng) {
+    const auto idx = load_sample(size_t(order_[k]), [&](size_t i, std::mt19937_64& rng) {
       std::string bytes;
       ds_->encoded(i, bytes);
       img = decode_image(bytes, ds_->describe(i));  // the whole image: the model resizes it
@@ -393,11 +405,9 @@ std::optional<Batch> Loader::next() {
     ++next_batch_;
     lk.unlock();
     cv_work_.notify_all();
-    skipped_epoch_ += b.skipped;
     return b;
   }
   ++next_batch_;
-  skipped_epoch_ += b.skipped;
   return b;
 }
 

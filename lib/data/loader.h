@@ -31,7 +31,6 @@ struct Batch {
   at::Tensor indices;  // int64 [B]: dataset index of each sample (per-sample randomness after the loader)
   at::Tensor sizes;    // int64 [B, 2]: (height, width) before padding; undefined for stacked batches
   std::vector<BoxTarget> targets;  // per image (detection); empty for classification
-  int64_t skipped = 0;
 };
 
 struct LoaderOptions {
@@ -117,17 +116,18 @@ class Loader {
   std::optional<Batch> next();
   size_t num_batches() const { return num_batches_; }
   const Dataset& dataset() const { return *ds_; }
-  int64_t skipped_this_epoch() const { return skipped_epoch_; }
+  // The distinct unreadable images met so far this epoch (an image tried twice, once for its own
+  // sample and once in another's place, counts once).
+  int64_t skipped_this_epoch() const;
   const std::vector<int64_t>& order() const { return order_; }
 
  private:
   Batch make_batch(size_t b);
   Batch make_detection_batch(size_t begin, size_t end);
   // Runs load(index, generator) for sample `key`. An unreadable image (DecodeError) is warned once
-  // and counted in `skipped`; with refill_unreadable the next index takes its place. Returns the
-  // index used, or nullopt when the sample is dropped.
-  std::optional<size_t> load_sample(size_t key, int64_t& skipped,
-                                    const std::function<void(size_t, std::mt19937_64&)>& load);
+  // and counted in the epoch's set; with refill_unreadable the next index takes its place. Returns
+  // the index used, or nullopt when the sample is dropped.
+  std::optional<size_t> load_sample(size_t key, const std::function<void(size_t, std::mt19937_64&)>& load);
   void stop_workers();
   void worker_loop();
 
@@ -139,7 +139,6 @@ class Loader {
   std::vector<int64_t> order_;
   std::vector<int64_t> group_ids_;  // aspect-ratio group of each sample (grouped batching only)
   size_t next_batch_ = 0;  // consumer position
-  int64_t skipped_epoch_ = 0;
 
   std::mutex mu_;
   std::condition_variable cv_work_, cv_done_;
@@ -149,8 +148,9 @@ class Loader {
   size_t next_to_make_ = 0;
   bool stopping_ = false;
   std::vector<std::thread> threads_;
-  std::mutex warn_mu_;
-  std::set<size_t> warned_;
+  mutable std::mutex warn_mu_;
+  std::set<size_t> warned_;        // warned by name once per loader
+  std::set<size_t> skipped_epoch_;  // unreadable this epoch
 };
 
 }  // namespace imgtrain::data

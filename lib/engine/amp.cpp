@@ -1,6 +1,10 @@
 #include "engine/amp.h"
 
+#include "core/error.h"
+
 #include <ATen/autocast_mode.h>
+#include <cmath>
+#include <fmt/format.h>
 #include <torch/torch.h>
 
 namespace imgtrain::engine {
@@ -62,8 +66,19 @@ std::vector<std::pair<std::string, at::Tensor>> LossScaler::state() const {
 
 void LossScaler::load_state(const std::map<std::string, at::Tensor>& st) {
   torch::NoGradGuard ng;
-  if (auto it = st.find("scale"); it != st.end()) scale_.copy_(it->second);
-  if (auto it = st.find("growth_tracker"); it != st.end()) growth_tracker_.copy_(it->second);
+  auto one_value = [&](const char* key, bool positive) -> const at::Tensor* {
+    auto it = st.find(key);
+    if (it == st.end()) return nullptr;
+    const at::Tensor& t = it->second;
+    const double v = t.numel() == 1 ? t.to(at::kDouble).item<double>() : std::nan("");
+    if (!std::isfinite(v) || v < 0 || (positive && v == 0))
+      throw UserError(fmt::format("loss scaler state 'scaler.{}' is not a {} number ({} values{})", key,
+                                  positive ? "positive" : "non-negative", t.numel(),
+                                  t.numel() == 1 ? fmt::format(", {}", v) : ""));
+    return &t;
+  };
+  if (auto* t = one_value("scale", true)) scale_.copy_(t->reshape_as(scale_));
+  if (auto* t = one_value("growth_tracker", false)) growth_tracker_.copy_(t->reshape_as(growth_tracker_));
 }
 
 MasterWeights::MasterWeights(torch::nn::Module& model, at::ScalarType half) : half_(half) {

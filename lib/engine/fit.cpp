@@ -152,8 +152,12 @@ ResumePoint resume(Run& r, const cli::Config& cfg, std::optional<Checkpoint> che
       t.copy_(*saved);
     }
   }
-  if (!cfg.no_resume_opt) r.optimizer->load_state(ck.section("optim."));
-  if (r.scaler) r.scaler->load_state(ck.section("scaler."));
+  try {  // damaged or foreign training state is the file's fault, said here by name
+    if (!cfg.no_resume_opt) r.optimizer->load_state(ck.section("optim."));
+    if (r.scaler) r.scaler->load_state(ck.section("scaler."));
+  } catch (const UserError& e) {
+    throw UserError(fmt::format("--resume '{}': {}", path, e.what()));
+  }
   if (auto* rng = ck.find("rng.cpu")) {
     try {  // a generator state of the wrong size or kind is the file's fault, said here by name
       at::make_generator<at::CPUGeneratorImpl>().set_state(*rng);
@@ -249,13 +253,7 @@ int fit(const cli::Config& given_cfg, torch::Device device, dist::Context* ctx) 
 
   r.args_yaml = cli::to_yaml(cli::Command::Train, model_cfg);
   const RunFolder run(cfg.output, cfg.experiment.empty() ? default_experiment(cfg.model, dc.img_size) : cfg.experiment,
-                      r.args_yaml, primary);
-  run.open_log();
-  EventWriter events;  // --log-tensorboard (rank 0)
-  if (primary && !cfg.log_tensorboard.empty() && cfg.log_tensorboard != "false") {
-    events = EventWriter(cfg.log_tensorboard == "true" ? run.dir() : cfg.log_tensorboard);
-    log::info("TensorBoard event file: {}", events.path());
-  }
+                      primary);
 
   // --resume auto (a restarted or preempted job): the newest checkpoint of this run's folder that
   // reads whole; a damaged newest one (cut short, bad header) falls back to the one before it.
@@ -286,6 +284,18 @@ int fit(const cli::Config& given_cfg, torch::Device device, dist::Context* ctx) 
     throw UserError(fmt::format("--resume '{}': metadata 'recovery_update' is {}, but an epoch here has {} updates "
                                 "(the checkpoint does not belong to this data and batch size)",
                                 resumed_from, rp.start_update - 1, updates_per_epoch));
+  // The folder's earlier files are this run's only when it resumes from one of them; a run from
+  // scratch or from another folder's file moves an earlier run's files aside first. Done once the
+  // checkpoint has been read and checked: a refused --resume leaves the folder as it was.
+  std::error_code ec;
+  const bool continues =
+      !resumed_from.empty() && fs::equivalent(fs::absolute(resumed_from).parent_path(), fs::path(run.dir()), ec);
+  run.begin(r.args_yaml, continues);
+  EventWriter events;  // --log-tensorboard (rank 0)
+  if (primary && !cfg.log_tensorboard.empty() && cfg.log_tensorboard != "false") {
+    events = EventWriter(cfg.log_tensorboard == "true" ? run.dir() : cfg.log_tensorboard);
+    log::info("TensorBoard event file: {}", events.path());
+  }
   int64_t start_epoch = rp.start_epoch;
   if (cfg.model_ema) {
     // Created after any resume of the model, as timm does, then given the checkpoint's EMA.

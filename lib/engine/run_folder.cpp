@@ -48,8 +48,7 @@ const std::string& checked_experiment(const std::string& experiment) {
 }
 }  // namespace
 
-RunFolder::RunFolder(const std::string& output, const std::string& experiment, const std::string& args_yaml,
-                     bool primary)
+RunFolder::RunFolder(const std::string& output, const std::string& experiment, bool primary)
     : dir_((fs::path(output.empty() ? "./output/train" : output) / checked_experiment(experiment)).string()),
       primary_(primary) {
   if (!primary_) return;
@@ -91,13 +90,61 @@ RunFolder::RunFolder(const std::string& output, const std::string& experiment, c
     fs::remove(p, ec);
     log::info("Removed '{}', a temporary file an interrupted run left", p.string());
   }
+}
+
+namespace {
+// The files a training run writes into its folder, and which of them mark a run that got as far
+// as an epoch or a checkpoint (a run that failed at start-up leaves only args.yaml and log.txt).
+bool is_run_file(const std::string& name, bool* progress) {
+  const bool checkpoint = name.ends_with(".safetensors") &&
+                          (name == "last.safetensors" || name == "model_best.safetensors" ||
+                           name.rfind("checkpoint-", 0) == 0 || name.rfind("recovery-", 0) == 0);
+  *progress = checkpoint || name == "summary.csv";
+  return *progress || name == "args.yaml" || name == "log.txt" || name == "curves.png" ||
+         name.rfind("events.out.tfevents.", 0) == 0;
+}
+}  // namespace
+
+std::string RunFolder::begin(const std::string& args_yaml, bool continues) const {
+  if (!primary_) return "";
+  std::string moved_to;
+  if (!continues) {
+    std::error_code ec;
+    std::vector<fs::path> files;
+    int64_t checkpoints = 0;
+    bool progress = false, summary = false;
+    for (auto& e : fs::directory_iterator(dir_, ec)) {
+      const std::string name = e.path().filename().string();
+      bool p = false;
+      if (!e.is_regular_file(ec) || !is_run_file(name, &p)) continue;
+      files.push_back(e.path());
+      progress = progress || p;
+      summary = summary || name == "summary.csv";
+      checkpoints += name.ends_with(".safetensors");
+    }
+    if (progress) {
+      int n = 1;
+      while (fs::exists(path(fmt::format("earlier-run-{}", n)), ec)) ++n;
+      moved_to = path(fmt::format("earlier-run-{}", n));
+      fs::create_directory(moved_to, ec);
+      if (ec) throw UserError(fmt::format("cannot create '{}' ({})", moved_to, ec.message()));
+      for (auto& f : files) {
+        fs::rename(f, fs::path(moved_to) / f.filename(), ec);
+        if (ec) throw UserError(fmt::format("cannot move '{}' into '{}' ({})", f.string(), moved_to, ec.message()));
+      }
+    }
+    std::string held = checkpoints ? fmt::format("{} checkpoint file(s)", checkpoints) : "";
+    if (summary) held += held.empty() ? "summary.csv" : " and summary.csv";
+    if (progress)
+      log::warn("'{}' held an earlier run ({}); this run does not resume it, so that run's files are moved to '{}' "
+                "(--resume auto continues a run instead)",
+                dir_, held, moved_to);
+  }
   std::ofstream f(dir_ + "/args.yaml");
   f << args_yaml;
   if (!f) throw UserError(fmt::format("cannot write '{}/args.yaml'", dir_));
-}
-
-void RunFolder::open_log() const {
-  if (primary_) log::set_file(dir_ + "/log.txt");
+  log::set_file(dir_ + "/log.txt");
+  return moved_to;
 }
 
 void RunFolder::append_summary(int64_t epoch, const NamedValues& train, const NamedValues& eval, double lr) const {

@@ -17,16 +17,21 @@ std::string default_experiment(const std::string& model, int64_t img_size);
 
 class RunFolder {
  public:
-  // Creates <output or ./output/train>/<experiment> and writes args.yaml there (primary only).
-  // The primary holds an exclusive lock on the folder (<dir>/.lock, flock) while it lives: a second
-  // run into the same folder is refused in one line naming the holder (pid and host); the lock
-  // ends with the process, so --resume auto after a kill finds it free. Holding it, the primary
-  // removes temporary files (*.tmp.<pid>) that a killed process of an earlier run left behind.
-  RunFolder(const std::string& output, const std::string& experiment, const std::string& args_yaml, bool primary);
+  // Creates <output or ./output/train>/<experiment> (primary only). The primary holds an exclusive
+  // lock on the folder (<dir>/.lock, flock) while it lives: a second run into the same folder is
+  // refused in one line naming the holder (pid and host); the lock ends with the process, so
+  // --resume auto after a kill finds it free. Holding it, the primary removes temporary files
+  // (*.tmp.<pid>) that a killed process of an earlier run left behind.
+  RunFolder(const std::string& output, const std::string& experiment, bool primary);
   const std::string& dir() const { return dir_; }
   std::string path(const std::string& name) const { return dir_ + "/" + name; }
-  // Sends the log to <dir>/log.txt as well (primary only).
-  void open_log() const;
+  // Starts the run in the folder (primary only): writes args.yaml and sends the log to log.txt as
+  // well. A run that does not continue the folder's own run (`continues`: resumed from one of its
+  // checkpoints) and finds an earlier run's checkpoints or summary.csv there moves that run's files
+  // into <dir>/earlier-run-<N>/ with one warning, so that the runs never mix: no duplicate
+  // summary.csv rows, no stale checkpoint-<N> beside the new ones for --resume auto to pick.
+  // Returns the folder they went to ("" when none).
+  std::string begin(const std::string& args_yaml, bool continues) const;
   // One summary.csv row; the header is written with the first row of a new file.
   void append_summary(int64_t epoch, const NamedValues& train, const NamedValues& eval, double lr) const;
   // A resumed run: drops the rows of epochs >= `from_epoch` (written before a kill, about to be

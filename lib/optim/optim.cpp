@@ -1,5 +1,10 @@
 #include "optim/optim.h"
 
+#include "core/error.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -126,9 +131,28 @@ void Optimizer::load_state(const std::map<std::string, at::Tensor>& st) {
       for (auto it = st.lower_bound(prefix); it != st.end() && it->first.rfind(prefix, 0) == 0; ++it) {
         const std::string key = it->first.substr(prefix.size());
         if (key.find('.') != std::string::npos) continue;  // another parameter's ("<param>.x.y")
+        // every buffer of these optimizers has its parameter's shape; a file that says otherwise,
+        // or holds NaN, is damaged or another model's, and is said so by name before any step
+        const at::Tensor& t = it->second;
+        const std::string what = fmt::format("optimizer state '{}'", it->first);
+        if (!t.is_floating_point() && key != "step")
+          throw UserError(fmt::format("{} is {}, not floating point", what, c10::toString(t.scalar_type())));
+        if (t.is_floating_point() && !at::isfinite(t).all().item<bool>())
+          throw UserError(fmt::format("{} holds NaN or infinite values", what));
         auto& ps = state_[g.names[i]];
-        if (key == "step") ps.step = int64_t(it->second.item<double>());
-        else ps.buf[key] = it->second.to(g.params[i].options()).clone();
+        if (key == "step") {
+          const double v = t.numel() == 1 ? t.to(at::kDouble).item<double>() : -1.0;
+          if (!(v >= 0 && v <= 9.0e15 && v == std::floor(v)))
+            throw UserError(fmt::format("{} is not a step count ({} values{})", what, t.numel(),
+                                        t.numel() == 1 ? fmt::format(", {}", v) : ""));
+          ps.step = int64_t(v);
+        } else {
+          if (t.sizes() != g.params[i].sizes())
+            throw UserError(fmt::format("{} has shape {}, but the parameter '{}' has {} (not this model's optimizer "
+                                        "state)",
+                                        what, fmt::join(t.sizes(), "x"), g.names[i], fmt::join(g.params[i].sizes(), "x")));
+          ps.buf[key] = t.to(g.params[i].options()).clone();
+        }
       }
     }
 }

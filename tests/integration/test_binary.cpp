@@ -465,6 +465,22 @@ TEST_CASE("a damaged generator state or a recovery point past the epoch's end is
                   "tensor 'rng.cpu' is not a CPU generator state");
   last_line_error(damaged("rec.safetensors", [](io::SafeTensors& c) { c.metadata["recovery_update"] = "999999"; }),
                   "metadata 'recovery_update' is 999999, but an epoch here has");
+  // the optimizer's state: another shape, or NaN (not "training diverged (lower --lr?)" later)
+  last_line_error(damaged("shape.safetensors",
+                          [](io::SafeTensors& c) {
+                            for (auto& [k, v] : c.tensors)
+                              if (k == "optim.fc.weight.momentum_buffer") v = v.narrow(0, 0, 1).clone();
+                          }),
+                  "optimizer state 'fc.weight.momentum_buffer' has shape 1x");
+  last_line_error(damaged("nan.safetensors",
+                          [](io::SafeTensors& c) {
+                            for (auto& [k, v] : c.tensors)
+                              if (k == "optim.fc.weight.momentum_buffer") (v = v.clone()).view(-1)[0] = NAN;
+                          }),
+                  "optimizer state 'fc.weight.momentum_buffer' holds NaN or infinite values");
+  // a refused --resume leaves the run folder as it was
+  CHECK_FALSE(fs::exists(out / "e/earlier-run-1"));
+  CHECK(test::read_csv(out / "e/summary.csv").size() == 2);
 }
 
 TEST_CASE("a timm args.yaml trains, with the command line overriding it", "[integration]") {
@@ -937,6 +953,24 @@ TEST_CASE("resume auto passes over a damaged newest checkpoint to the one before
   CHECK_THAT(r.output, Catch::Contains("Resumed from checkpoint '" + (out / "f/checkpoint-0.safetensors") + "' (epoch 0)"));
   CHECK(engine::Checkpoint::read_meta(last).epoch == 2);
   CHECK(test::read_csv(out / "f/summary.csv").size() == 4);  // header + epochs 0, 1 (redone), 2
+  // A new run (no --resume) into the folder moves this run's files aside, with one warning, so
+  // that --resume auto afterwards continues the new run, not the newer checkpoints of the old one.
+  auto fresh = test::run(kBin + args + " --epochs 1");
+  INFO(fresh.output);
+  CHECK(fresh.code == 0);
+  CHECK_THAT(fresh.output, Catch::Contains("WARNING: '" + (out / "f") + "' held an earlier run ("));
+  CHECK_THAT(fresh.output, Catch::Contains(" checkpoint file(s) and summary.csv); this run does not resume it, so that "
+                                           "run's files are moved to '" + (out / "f/earlier-run-1") + "'"));
+  CHECK(engine::Checkpoint::read_meta(out / "f/earlier-run-1/last.safetensors").epoch == 2);
+  CHECK(test::read_csv(out / "f/summary.csv").size() == 2);  // the new run's header and epoch 0
+  CHECK(test::read_csv(out / "f/earlier-run-1/summary.csv").size() == 4);
+  auto again = test::run(kBin + args + " --epochs 2 --resume auto");
+  INFO(again.output);
+  CHECK(again.code == 0);
+  CHECK_THAT(again.output, Catch::Contains("Resumed from checkpoint '" + (out / "f/") ));
+  CHECK_THAT(again.output, Catch::Contains("(epoch 0)"));
+  CHECK_THAT(again.output, !Catch::Contains("earlier run"));
+  CHECK(test::read_csv(out / "f/summary.csv").size() == 3);
 }
 
 TEST_CASE("a checkpoint write that runs out of space fails in one line and keeps the earlier checkpoint",

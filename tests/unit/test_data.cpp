@@ -519,7 +519,7 @@ TEST_CASE("training refills skipped images from the next index and stops when no
   auto batches = epoch_batches(l, 0);
   REQUIRE(batches.size() == 3);
   for (auto& b : batches) CHECK(b.images.size(0) == (&b == &batches.back() ? 2 : 4));  // no batch shrinks
-  CHECK(l.skipped_this_epoch() == 4);  // 1; 6 and then 7 in its place; 7
+  CHECK(l.skipped_this_epoch() == 3);  // 1; 6 and then 7 in its place; 7 again: three images
   // labels are index % 3
   CHECK(batches[0].labels[1].item<int64_t>() == 2);  // 1 -> 2
   CHECK(batches[1].labels[2].item<int64_t>() == 2);  // 6 -> 7 -> 8
@@ -535,6 +535,17 @@ TEST_CASE("training refills skipped images from the next index and stops when no
   } catch (const UserError& e) {  // the data's fault: one line, exit code 2
     CHECK_THAT(std::string(e.what()), Catch::Contains("50 unreadable images in a row"));
   }
+  // a split smaller than the limit: every image tried once, and said so
+  std::set<size_t> ten;
+  for (size_t i = 0; i < 10; ++i) ten.insert(i);
+  Loader small(std::make_shared<Synthetic>(10, ten), tc, o);
+  small.start_epoch(0);
+  CHECK_THROWS_WITH(([&] {
+                      while (small.next()) {
+                      }
+                    }()),
+                    Catch::Contains("all 10 images are unreadable"));
+  CHECK(small.skipped_this_epoch() == 10);
 }
 
 TEST_CASE("device normalisation matches the per-element formula", "[data][normalize]") {

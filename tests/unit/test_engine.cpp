@@ -2,6 +2,7 @@
 // checkpoint format's owner round-trips every field.
 #include "core/batch_norm.h"
 #include "core/error.h"
+#include "core/log.h"
 #include "data/dataset.h"
 #include "engine/checkpoint.h"
 #include "engine/run_folder.h"
@@ -353,13 +354,13 @@ TEST_CASE("a resumed run keeps --checkpoint-hist, one recovery file and one summ
   // process left is removed when the next run takes the folder
   test::TempDir out("out");
   {
-    engine::RunFolder folder(out.path.string(), "exp", "", true);
+    engine::RunFolder folder(out.path.string(), "exp", true);
     folder.append_summary(0, {{"loss", 1.0}}, {{"top1", 10.0}}, 0.1);
     folder.append_summary(1, {{"loss", 0.5}}, {{"top1", 20.0}}, 0.1);
     folder.append_summary(2, {{"loss", 0.4}}, {{"top1", 30.0}}, 0.1);
     test::write_file(folder.path("last.safetensors.tmp.12345"), "partial");
   }
-  engine::RunFolder folder(out.path.string(), "exp", "", true);
+  engine::RunFolder folder(out.path.string(), "exp", true);
   CHECK_FALSE(std::filesystem::exists(folder.path("last.safetensors.tmp.12345")));
   folder.truncate_summary(2);
   CHECK(test::read_file(folder.path("summary.csv")) ==
@@ -369,10 +370,52 @@ TEST_CASE("a resumed run keeps --checkpoint-hist, one recovery file and one summ
         "epoch,train_loss,eval_top1,lr\n0,1,10,0.1\n1,0.5,20,0.1\n");
   // --experiment names a folder under --output, never one outside it
   for (const char* bad : {"../x", "a/../../x", "/tmp/x", ".", ""})
-    CHECK_THROWS_WITH(engine::RunFolder(out.path.string(), bad, "", true),
+    CHECK_THROWS_WITH(engine::RunFolder(out.path.string(), bad, true),
                       Catch::Contains("a folder name under --output"));
-  engine::RunFolder nested(out.path.string(), "ablation/lr0.1", "", true);
+  engine::RunFolder nested(out.path.string(), "ablation/lr0.1", true);
   CHECK(std::filesystem::is_directory(out / "ablation/lr0.1"));
+}
+
+TEST_CASE("a run that does not resume its folder's run moves that run's files aside", "[engine][checkpoint]") {
+  namespace fs = std::filesystem;
+  test::TempDir out("out");
+  const fs::path d = out / "exp";
+  {
+    engine::RunFolder folder(out.path.string(), "exp", true);
+    // only a start-up failure's files: nothing to move, the log goes on
+    test::write_file(d / "log.txt", "earlier\n");
+    CHECK(folder.begin("a: 1\n", /*continues=*/false).empty());
+    CHECK(test::read_file(d / "args.yaml") == "a: 1\n");
+    folder.append_summary(0, {{"loss", 1.0}}, {{"top1", 10.0}}, 0.1);
+    for (const char* f : {"last.safetensors", "checkpoint-0.safetensors", "model_best.safetensors",
+                          "recovery-1-3.safetensors", "events.out.tfevents.1.h.2", "notes.md"})
+      test::write_file(d / f, f);
+    fs::create_directories(d / "mine");
+    // resuming the folder's own run keeps everything
+    CHECK(folder.begin("a: 2\n", /*continues=*/true).empty());
+    CHECK(fs::exists(d / "checkpoint-0.safetensors"));
+    // a fresh run: the earlier run's files go to earlier-run-1, the user's own files stay
+    CHECK(folder.begin("a: 3\n", /*continues=*/false) == (d / "earlier-run-1").string());
+    imgtrain::log::set_file("");
+    for (const char* f : {"last.safetensors", "checkpoint-0.safetensors", "model_best.safetensors",
+                          "recovery-1-3.safetensors", "events.out.tfevents.1.h.2", "summary.csv"}) {
+      CHECK_FALSE(fs::exists(d / f));
+      CHECK(fs::exists(d / "earlier-run-1" / f));
+    }
+    CHECK(test::read_file(d / "earlier-run-1" / "args.yaml") == "a: 2\n");
+    CHECK(test::read_file(d / "earlier-run-1" / "log.txt").starts_with("earlier\n"));
+    CHECK(test::read_file(d / "args.yaml") == "a: 3\n");
+    CHECK(fs::exists(d / "notes.md"));
+    CHECK(fs::is_directory(d / "mine"));
+    // the new run's summary starts with its own header and rows
+    folder.append_summary(0, {{"loss", 2.0}}, {{"top1", 5.0}}, 0.1);
+    CHECK(test::read_file(d / "summary.csv") == "epoch,train_loss,eval_top1,lr\n0,2,5,0.1\n");
+    // and a third run finds the next free name
+    CHECK(folder.begin("a: 4\n", /*continues=*/false) == (d / "earlier-run-2").string());
+    imgtrain::log::set_file("");
+    CHECK(fs::exists(d / "earlier-run-2" / "summary.csv"));
+    CHECK(fs::exists(d / "earlier-run-1" / "summary.csv"));
+  }
 }
 
 TEST_CASE("TensorBoard framing: CRC-32C and the records of an events file", "[engine][tensorboard]") {
@@ -584,6 +627,42 @@ TEST_CASE("optimizers through ATen's fused and multi-tensor kernels equal the pe
   a.impl = "fastest";
   auto w = torch::zeros({2}, torch::requires_grad());
   CHECK_THROWS_WITH(optim::create_optimizer(a, {{"w", w}}), Catch::Contains("unknown optimizer implementation"));
+}
+
+TEST_CASE("damaged optimizer state in a checkpoint is refused by name", "[optim][fault]") {
+  for (std::string opt : {"sgd", "adamw"}) {
+    INFO(opt);
+    auto [trace, o] = optimizer_trace(opt, "auto", torch::kCPU, 0.9, 2);
+    std::map<std::string, at::Tensor> good;
+    for (auto& [k, t] : o->state()) good[k] = t;
+    const std::string buf = opt == "sgd" ? "fc.weight.momentum_buffer" : "fc.weight.exp_avg";
+    REQUIRE(good.count(buf));
+    auto load = [&](const std::string& key, at::Tensor t) {
+      auto st = good;
+      st[key] = t;
+      optim::OptimizerArgs a;
+      a.opt = opt;
+      a.momentum = 0.9;
+      auto named = std::vector<std::pair<std::string, at::Tensor>>{};
+      for (auto& [k, v] : std::map<std::string, std::vector<int64_t>>{
+               {"conv.weight", {8, 4, 3, 3}}, {"conv2.weight", {6, 4, 3, 3}}, {"fc.weight", {10, 7}},
+               {"fc.bias", {10}}, {"late.weight", {5, 5}}})
+        named.emplace_back(k, torch::zeros(v, torch::requires_grad()));
+      optim::create_optimizer(a, named)->load_state(st);
+    };
+    CHECK_NOTHROW(load(buf, good[buf]));
+    CHECK_THROWS_WITH(load(buf, torch::zeros({1, 7})),
+                      Catch::Contains("optimizer state '" + buf + "' has shape 1x7, but the parameter 'fc.weight' has 10x7"));
+    auto nan = good[buf].clone();
+    nan[3][2] = std::nan("");
+    CHECK_THROWS_WITH(load(buf, nan), Catch::Contains("optimizer state '" + buf + "' holds NaN or infinite values"));
+    CHECK_THROWS_WITH(load(buf, torch::zeros({10, 7}, torch::kInt64)), Catch::Contains("not floating point"));
+    if (opt == "adamw") {
+      CHECK_THROWS_WITH(load("fc.weight.step", torch::tensor(-1.0, torch::kFloat64)),
+                        Catch::Contains("optimizer state 'fc.weight.step' is not a step count"));
+      CHECK_THROWS_WITH(load("fc.weight.step", torch::tensor(2.5, torch::kFloat64)), Catch::Contains("step count"));
+    }
+  }
 }
 
 TEST_CASE("CUDA: fused and multi-tensor optimizer steps equal the loops on the device", "[cuda][optim]") {

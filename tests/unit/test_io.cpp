@@ -344,6 +344,16 @@ TEST_CASE("loss scaler: unscale, skip on inf with backoff, growth after the inte
   for (auto& [k, v] : s.state()) m[k] = v;
   r.load_state(m);
   CHECK(r.value() == 1024.0);
+  // a damaged state is refused by name, before any step
+  for (auto bad : {torch::tensor(std::nan("")), torch::tensor(0.0), torch::ones({2})}) {
+    auto d = m;
+    d["scale"] = bad;
+    CHECK_THROWS_WITH(r.load_state(d), Catch::Contains("loss scaler state 'scaler.scale' is not a positive number"));
+  }
+  auto d = m;
+  d["growth_tracker"] = torch::tensor(-3, torch::kInt32);
+  CHECK_THROWS_WITH(r.load_state(d), Catch::Contains("'scaler.growth_tracker'"));
+  CHECK(r.value() == 1024.0);
 }
 
 TEST_CASE("a skipped step leaves the weights alone and training goes on", "[engine][amp]") {
