@@ -18,7 +18,14 @@ class SyncBatchNormHook {
   virtual at::Tensor forward(torch::nn::BatchNorm2dImpl& bn, const at::Tensor& x) = 0;
 };
 
-class BatchNorm2dImpl : public torch::nn::BatchNorm2dImpl {
+// A module with a fused training path (one kernel or autograd function in place of several
+// modules), switched on and off for a whole model by set_training_fusion.
+struct TrainingFusion {
+  virtual ~TrainingFusion() = default;
+  bool fuse_train = false;
+};
+
+class BatchNorm2dImpl : public torch::nn::BatchNorm2dImpl, public TrainingFusion {
  public:
   explicit BatchNorm2dImpl(int64_t num_features) : torch::nn::BatchNorm2dImpl(torch::nn::BatchNormOptions(num_features)) {}
   explicit BatchNorm2dImpl(const torch::nn::BatchNormOptions& o) : torch::nn::BatchNorm2dImpl(o) {}
@@ -50,10 +57,9 @@ class BatchNorm2dImpl : public torch::nn::BatchNorm2dImpl {
   // model's weights must not change while it is on.
   bool fuse_inference = false;
   at::Tensor folded_weight, folded_bias;
-  // Training fusion (set_training_fusion): training-mode forwards through conv_bn_act run this
-  // BatchNorm, the residual add and the activation after it as one kernel (ops::batch_norm_act_train;
-  // float32 CPU; other inputs take the modules).
-  bool fuse_train = false;
+  // Training fusion (fuse_train, set_training_fusion): training-mode forwards through conv_bn_act
+  // run this BatchNorm, the residual add and the activation after it as one kernel
+  // (ops::batch_norm_act_train; float32 CPU; other inputs take the modules).
 };
 TORCH_MODULE(BatchNorm2d);
 
@@ -69,11 +75,12 @@ inline void set_inference_fusion(torch::nn::Module& model, bool on) {
     }
 }
 
-// Turns training fusion on or off for every BatchNorm2d of `model` (train and benchmark --bench
-// train with --fuse-bn). Frozen and synchronised BatchNorms never fuse.
+// Turns training fusion on or off for every module of `model` that has one (BatchNorm2d with its
+// activation, squeeze-and-excite; train and benchmark --bench train with --fuse-bn). Frozen and
+// synchronised BatchNorms never fuse.
 inline void set_training_fusion(torch::nn::Module& model, bool on) {
   for (auto& m : model.modules(/*include_self=*/true))
-    if (auto* bn = dynamic_cast<BatchNorm2dImpl*>(m.get())) bn->fuse_train = on;
+    if (auto* f = dynamic_cast<TrainingFusion*>(m.get())) f->fuse_train = on;
 }
 
 }  // namespace imgtrain

@@ -2,6 +2,7 @@
 
 #include "core/error.h"
 #include "ops/norm_act.h"
+#include "ops/se_gate.h"
 
 #include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -11,6 +12,7 @@
 
 #include <cfenv>
 #include <cmath>
+#include <optional>
 
 namespace imgtrain::model_zoo {
 
@@ -254,6 +256,20 @@ SqueezeExciteImpl::SqueezeExciteImpl(int64_t channels, int64_t reduced, Act act_
 }
 
 at::Tensor SqueezeExciteImpl::forward(const at::Tensor& x) {
+  if (fuse_train && is_training() && at::GradMode::is_enabled() && ops::se_gate_supported(x, conv_reduce->weight)) {
+    std::optional<ops::SeAct> a;
+    switch (act) {
+      case Act::ReLU: a = ops::SeAct::ReLU; break;
+      case Act::ReLU6: a = ops::SeAct::ReLU6; break;
+      case Act::Swish: a = ops::SeAct::SiLU; break;
+      case Act::HardSwish: a = ops::SeAct::HardSwish; break;
+      case Act::GELU: a = ops::SeAct::GELU; break;
+      default: break;
+    }
+    if (a && (gate == Act::Sigmoid || gate == Act::HardSigmoid))
+      return ops::se_gate_train(x, conv_reduce->weight, conv_reduce->bias, conv_expand->weight, conv_expand->bias, *a,
+                                gate == Act::Sigmoid ? ops::SeGate::Sigmoid : ops::SeGate::HardSigmoid);
+  }
   auto s = conv_expand(apply_act(conv_reduce(x.mean({2, 3}, /*keepdim=*/true)), act, true));
   return x * apply_act(s, gate, true);
 }

@@ -73,7 +73,9 @@ TORCH_MODULE(ConvBnAct);
 
 // Squeeze-and-excite as timm's _efficientnet_blocks.SqueezeExcite: mean over H, W, 1x1 reduce,
 // activation, 1x1 expand, gate (sigmoid or hard sigmoid); modules conv_reduce, conv_expand.
-struct SqueezeExciteImpl : torch::nn::Module {
+// With training fusion on (set_training_fusion), training forwards that record autograd run as
+// one function (ops::se_gate_train) where it takes the input and the activations.
+struct SqueezeExciteImpl : torch::nn::Module, imgtrain::TrainingFusion {
   SqueezeExciteImpl(int64_t channels, int64_t reduced, Act act, Act gate);
   at::Tensor forward(const at::Tensor& x);
   torch::nn::Conv2d conv_reduce{nullptr}, conv_expand{nullptr};

@@ -12,6 +12,7 @@
 #include "io/weights.h"
 #include "model_zoo/registry.h"
 #include "ops/norm_act.h"
+#include "ops/se_gate.h"
 #include "optim/optim.h"
 #include "core/rng.h"
 #include "tasks/classification/classification.h"
@@ -954,6 +955,108 @@ TEST_CASE("training fusion: BatchNorm + residual + activation in one kernel equa
   CHECK_FALSE(ops::batch_norm_act_supported(torch::randn({1, 3, 1, 1}), {}));
   CHECK_FALSE(ops::batch_norm_act_supported(torch::randn({2, 3, 4, 4}),
                                             torch::randn({2, 3, 4, 4}).contiguous(at::MemoryFormat::ChannelsLast)));
+}
+
+TEST_CASE("training fusion: squeeze-and-excite as one function equals torch's ops, forward and backward", "[ops][models]") {
+  using ops::SeAct;
+  using ops::SeGate;
+  // x * gate(conv(act(conv(mean(x))))) through autograd, as the zoo's modules compute it
+  auto reference = [](const at::Tensor& x, const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2,
+                      const at::Tensor& b2, SeAct act, SeGate gate) {
+    auto z = at::conv2d(x.mean({2, 3}, true), w1, b1);
+    switch (act) {
+      case SeAct::ReLU: z = z.relu(); break;
+      case SeAct::ReLU6: z = z.clamp(0, 6); break;
+      case SeAct::SiLU: z = at::silu(z); break;
+      case SeAct::HardSwish: z = at::hardswish(z); break;
+      case SeAct::GELU: z = at::gelu(z); break;
+    }
+    auto s = at::conv2d(z, w2, b2);
+    return x * (gate == SeGate::Sigmoid ? s.sigmoid() : at::hardsigmoid(s));
+  };
+  // shapes: 1x1 maps, a plane longer than a 1,024-value chunk, a tail of the 64-pixel rows and of
+  // the 16 lanes, a batch of one
+  const std::vector<std::vector<int64_t>> shapes = {{3, 19, 7, 5}, {2, 8, 40, 33}, {4, 24, 1, 1}, {1, 40, 9, 9}};
+  for (const auto& shape : shapes)
+    for (auto act : {SeAct::ReLU, SeAct::ReLU6, SeAct::SiLU, SeAct::HardSwish, SeAct::GELU})
+      for (auto gate : {SeGate::Sigmoid, SeGate::HardSigmoid})
+        for (bool cl : {false, true}) {
+          INFO("shape " << shape << " act " << int(act) << " gate " << int(gate) << " channels-last " << cl);
+          torch::manual_seed(5);
+          const int64_t C = shape[1], R = std::max<int64_t>(1, C / 4);
+          auto fmt = cl ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
+          auto x0 = torch::randn(shape).contiguous(fmt), g = torch::randn(shape).contiguous(fmt);
+          // weights large enough that the activation and the gate see both sides of their kinks
+          auto w10 = torch::randn({R, C, 1, 1}), b10 = torch::randn({R}), w20 = torch::randn({C, R, 1, 1}) * 2,
+               b20 = torch::randn({C});
+          auto run = [&](bool fused) {
+            auto x = x0.clone().requires_grad_(true);
+            auto w1 = w10.clone().requires_grad_(true), b1 = b10.clone().requires_grad_(true);
+            auto w2 = w20.clone().requires_grad_(true), b2 = b20.clone().requires_grad_(true);
+            REQUIRE(ops::se_gate_supported(x, w1));
+            auto y = fused ? ops::se_gate_train(x, w1, b1, w2, b2, act, gate) : reference(x, w1, b1, w2, b2, act, gate);
+            y.backward(g);
+            return std::vector<at::Tensor>{y.detach(), x.grad(), w1.grad(), b1.grad(), w2.grad(), b2.grad()};
+          };
+          const auto want = run(false), got = run(true);
+          CHECK(got[0].is_contiguous(fmt));
+          CHECK(got[1].is_contiguous(fmt));
+          CHECK(torch::equal(got[0], want[0]));  // the forward is ATen's own ops
+          const char* what[] = {"output", "grad x", "grad w_reduce", "grad b_reduce", "grad w_expand", "grad b_expand"};
+          for (size_t i = 1; i < want.size(); ++i) {
+            INFO(what[i]);
+            CHECK(rel_err(got[i], want[i]) < 2e-4);
+          }
+        }
+  // where every sum is exact (small integers and halves), the gate's gradient is exact in any order,
+  // and then every gradient is bitwise autograd's: the same operations in the same order
+  for (bool cl : {false, true}) {
+    auto fmt = cl ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
+    torch::manual_seed(6);
+    auto x0 = (torch::randint(-4, 5, {2, 12, 5, 7}) / 2.0).contiguous(fmt);
+    auto g = (torch::randint(-4, 5, {2, 12, 5, 7}) / 4.0).contiguous(fmt);
+    auto w10 = torch::randint(-2, 3, {3, 12, 1, 1}) / 4.0, b10 = torch::randint(-2, 3, {3}) / 4.0;
+    auto w20 = torch::randint(-2, 3, {12, 3, 1, 1}) / 4.0, b20 = torch::randint(-2, 3, {12}) / 4.0;
+    auto run = [&](bool fused) {
+      auto x = x0.clone().requires_grad_(true);
+      auto w1 = w10.clone().requires_grad_(true), b1 = b10.clone().requires_grad_(true);
+      auto w2 = w20.clone().requires_grad_(true), b2 = b20.clone().requires_grad_(true);
+      auto y = fused ? ops::se_gate_train(x, w1, b1, w2, b2, SeAct::ReLU, SeGate::HardSigmoid)
+                     : reference(x, w1, b1, w2, b2, SeAct::ReLU, SeGate::HardSigmoid);
+      y.backward(g);
+      return std::vector<at::Tensor>{y.detach(), x.grad(), w1.grad(), b1.grad(), w2.grad(), b2.grad()};
+    };
+    const auto want = run(false), got = run(true);
+    for (size_t i = 0; i < want.size(); ++i) {
+      INFO("tensor " << i << (cl ? " channels-last" : " NCHW"));
+      CHECK(torch::equal(got[i], want[i]));
+    }
+  }
+  // the bits do not depend on the number of threads (at a batch of 16, where ATen's 1x1
+  // convolutions take oneDNN whatever the thread count; below it, one thread takes another path)
+  for (bool cl : {false, true}) {
+    torch::manual_seed(7);
+    auto fmt = cl ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
+    auto x0 = torch::randn({16, 32, 20, 20}).contiguous(fmt), g = torch::randn({16, 32, 20, 20}).contiguous(fmt);
+    auto w1 = torch::randn({8, 32, 1, 1}), b1 = torch::randn({8}), w2 = torch::randn({32, 8, 1, 1}),
+         b2 = torch::randn({32});
+    auto run = [&](int threads) {
+      const int before = at::get_num_threads();
+      at::set_num_threads(threads);
+      auto x = x0.clone().requires_grad_(true);
+      auto y = ops::se_gate_train(x, w1, b1, w2, b2, SeAct::SiLU, SeGate::Sigmoid);
+      y.backward(g);
+      at::set_num_threads(before);
+      return x.grad();
+    };
+    const auto one = run(1);
+    CHECK(torch::equal(one, run(2)));
+    CHECK(torch::equal(one, run(3)));
+  }
+  CHECK(ops::se_gate_supported(torch::randn({2, 3, 4, 4}).to(at::kDouble), torch::randn({1, 3, 1, 1}).to(at::kDouble)));
+  CHECK_FALSE(ops::se_gate_supported(torch::randn({2, 3, 4, 4}), torch::randn({1, 3, 1, 1}).to(at::kDouble)));
+  CHECK_FALSE(ops::se_gate_supported(torch::randn({2, 3, 4, 4}).to(at::kBFloat16), torch::randn({1, 3, 1, 1})));
+  CHECK_FALSE(ops::se_gate_supported(torch::randn({2, 3, 4, 4}).transpose(2, 3), torch::randn({1, 3, 1, 1})));
 }
 
 TEST_CASE("training fusion in the zoo: float64 equals torch's modules, float32 is as close to float64 as they are",
