@@ -227,6 +227,10 @@ std::vector<std::string> find_checkpoints(const std::string& dir) {
   for (auto& e : fs::directory_iterator(dir, ec)) {
     const auto name = e.path().filename().string();
     if (e.path().extension() != ".safetensors" || name.find(".tmp") != std::string::npos) continue;
+    if (std::error_code rec; !e.is_regular_file(rec)) {  // a FIFO would block the read
+      log::warn("--resume auto: ignoring '{}': not a regular file", e.path().string());
+      continue;
+    }
     CheckpointMeta m;
     try {
       m = Checkpoint::read_meta(e.path().string());
@@ -252,6 +256,7 @@ void CheckpointSaver::adopt_existing(int64_t start_epoch) {
   for (auto& e : fs::directory_iterator(dir_, ec)) {
     const auto name = e.path().filename().string();
     if (name.rfind("checkpoint-", 0) != 0 || e.path().extension() != ".safetensors") continue;
+    if (std::error_code rec; !e.is_regular_file(rec)) continue;
     const std::string path = e.path().string();
     if (std::any_of(kept_.begin(), kept_.end(), [&](auto& k) { return k.first == path; })) continue;
     CheckpointMeta m;
@@ -273,6 +278,7 @@ void CheckpointSaver::adopt_existing(int64_t start_epoch) {
   // A process killed between writing last.safetensors and linking it as checkpoint-<epoch> /
   // model_best: the resumed run makes the links the save would have made.
   const std::string last = path("last.safetensors");
+  if (!fs::is_regular_file(last, ec)) return;
   CheckpointMeta lm;
   try {
     lm = Checkpoint::read_meta(last);
@@ -284,7 +290,8 @@ void CheckpointSaver::adopt_existing(int64_t start_epoch) {
   if (lm.best_epoch == lm.epoch) {
     std::optional<int64_t> best_file_epoch;
     try {
-      best_file_epoch = Checkpoint::read_meta(path("model_best.safetensors")).epoch;
+      if (fs::is_regular_file(path("model_best.safetensors"), ec))
+        best_file_epoch = Checkpoint::read_meta(path("model_best.safetensors")).epoch;
     } catch (const UserError&) {
     }
     if (best_file_epoch != lm.epoch) replace_with_link(last, path("model_best.safetensors"));

@@ -21,6 +21,7 @@
 
 #include <chrono>
 #include <csignal>
+#include <algorithm>
 #include <filesystem>
 
 namespace fs = std::filesystem;
@@ -133,6 +134,7 @@ struct ResumePoint {
   at::Tensor rng_cuda;  // the CUDA generator's, likewise
   std::string plateau;
   LossMeters meters;  // a mid-epoch point: the epoch's loss averages so far
+  int64_t resumed_updates = 0;  // the checkpoint's update count
   std::optional<Checkpoint> checkpoint;  // kept for the EMA, which is created after the model's resume
 };
 
@@ -177,6 +179,7 @@ ResumePoint resume(Run& r, const cli::Config& cfg, std::optional<Checkpoint> che
   }
   p.plateau = m.plateau;
   r.num_updates = *m.num_updates;
+  p.resumed_updates = r.num_updates;
   if (m.best_metric) {
     saver.best_metric = *m.best_metric;
     saver.best_epoch = m.best_epoch.value_or(-1);
@@ -291,6 +294,12 @@ int fit(const cli::Config& given_cfg, torch::Device device, dist::Context* ctx) 
   const bool continues =
       !resumed_from.empty() && fs::equivalent(fs::absolute(resumed_from).parent_path(), fs::path(run.dir()), ec);
   run.begin(r.args_yaml, continues);
+  if (!resumed_from.empty() && !continues) {
+    // another folder's checkpoint: its best file is not here, so the best starts afresh (as timm's
+    // saver does after a resume) and this folder gets its own model_best
+    saver.best_metric.reset();
+    saver.best_epoch = -1;
+  }
   EventWriter events;  // --log-tensorboard (rank 0)
   if (primary && !cfg.log_tensorboard.empty() && cfg.log_tensorboard != "false") {
     events = EventWriter(cfg.log_tensorboard == "true" ? run.dir() : cfg.log_tensorboard);
@@ -309,6 +318,29 @@ int fit(const cli::Config& given_cfg, torch::Device device, dist::Context* ctx) 
   if (ctx) grad_sync = ctx->grad_sync(*r.model, cfg.bucket_cap_mb, !cfg.no_ddp_bb);
   if (cfg.start_epoch) start_epoch = *cfg.start_epoch;
   if (primary && !resumed_from.empty()) {
+    if (continues) {
+      // resuming an earlier point of the folder's run: the checkpoints written after it belong to
+      // the epochs about to be redone, so they go aside (--resume auto must not continue them)
+      std::vector<std::string> later;
+      std::error_code dir_ec;
+      for (auto& e : fs::directory_iterator(run.dir(), dir_ec)) {
+        const auto name = e.path().filename().string();
+        std::error_code rec;
+        if (e.path().extension() != ".safetensors" || name.find(".tmp") != std::string::npos ||
+            !e.is_regular_file(rec))
+          continue;
+        try {
+          const auto m = Checkpoint::read_meta(e.path().string());
+          if (m.num_updates && *m.num_updates > rp.resumed_updates) later.push_back(e.path().string());
+        } catch (const UserError&) {
+        }
+      }
+      std::sort(later.begin(), later.end());
+      if (const auto to = run.set_aside(later); !to.empty())
+        log::warn("resuming '{}' at update {}: {} later checkpoint file(s) of this folder, from the epochs now redone, "
+                  "moved to '{}'",
+                  resumed_from, rp.resumed_updates, later.size(), to);
+    }
     // a restart keeps the folder's promises: --checkpoint-hist over all the run's checkpoints, one
     // summary.csv row per epoch (rows of epochs about to be redone are dropped; a kill can fall
     // between an epoch's row and its checkpoint), and one recovery file, the one resumed from

@@ -10,6 +10,7 @@
 #include <ctime>
 #include <fcntl.h>
 #include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <filesystem>
 #include <fstream>
@@ -56,8 +57,14 @@ RunFolder::RunFolder(const std::string& output, const std::string& experiment, b
   fs::create_directories(dir_, ec);
   if (ec) throw UserError(fmt::format("--output '{}': cannot create the folder ({})", dir_, ec.message()));
   const std::string lock_path = dir_ + "/.lock";
-  const int fd = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  // never through a link (it would overwrite the link's target) and never a FIFO or device
+  const int fd = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0644);
   if (fd < 0) throw UserError(fmt::format("cannot create '{}' ({})", lock_path, std::strerror(errno)));
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    throw UserError(fmt::format("'{}' is not a regular file; remove it", lock_path));
+  }
   lock_ = std::shared_ptr<int>(new int(fd), [](int* p) {
     ::close(*p);
     delete p;
@@ -105,34 +112,46 @@ bool is_run_file(const std::string& name, bool* progress) {
 }
 }  // namespace
 
+std::string RunFolder::set_aside(const std::vector<std::string>& files) const {
+  if (!primary_ || files.empty()) return "";
+  std::error_code ec;
+  int n = 1;
+  while (fs::exists(fs::symlink_status(path(fmt::format("earlier-run-{}", n)), ec))) ++n;
+  const std::string to = path(fmt::format("earlier-run-{}", n));
+  fs::create_directory(to, ec);
+  if (ec) throw UserError(fmt::format("cannot create '{}' ({})", to, ec.message()));
+  for (auto& f : files) {
+    fs::rename(f, fs::path(to) / fs::path(f).filename(), ec);
+    if (ec) throw UserError(fmt::format("cannot move '{}' into '{}' ({})", f, to, ec.message()));
+  }
+  return to;
+}
+
 std::string RunFolder::begin(const std::string& args_yaml, bool continues) const {
   if (!primary_) return "";
+  // files the run opens by name: a FIFO or a folder there would block or fail each write
+  for (const char* name : {"args.yaml", "log.txt", "summary.csv"}) {
+    std::error_code ec;
+    const auto st = fs::status(path(name), ec);
+    if (fs::exists(st) && !fs::is_regular_file(st))
+      throw UserError(fmt::format("'{}' is not a regular file; remove it or choose another --experiment", path(name)));
+  }
   std::string moved_to;
   if (!continues) {
     std::error_code ec;
-    std::vector<fs::path> files;
+    std::vector<std::string> files;
     int64_t checkpoints = 0;
     bool progress = false, summary = false;
     for (auto& e : fs::directory_iterator(dir_, ec)) {
       const std::string name = e.path().filename().string();
       bool p = false;
       if (!e.is_regular_file(ec) || !is_run_file(name, &p)) continue;
-      files.push_back(e.path());
+      files.push_back(e.path().string());
       progress = progress || p;
       summary = summary || name == "summary.csv";
       checkpoints += name.ends_with(".safetensors");
     }
-    if (progress) {
-      int n = 1;
-      while (fs::exists(path(fmt::format("earlier-run-{}", n)), ec)) ++n;
-      moved_to = path(fmt::format("earlier-run-{}", n));
-      fs::create_directory(moved_to, ec);
-      if (ec) throw UserError(fmt::format("cannot create '{}' ({})", moved_to, ec.message()));
-      for (auto& f : files) {
-        fs::rename(f, fs::path(moved_to) / f.filename(), ec);
-        if (ec) throw UserError(fmt::format("cannot move '{}' into '{}' ({})", f.string(), moved_to, ec.message()));
-      }
-    }
+    if (progress) moved_to = set_aside(files);
     std::string held = checkpoints ? fmt::format("{} checkpoint file(s)", checkpoints) : "";
     if (summary) held += held.empty() ? "summary.csv" : " and summary.csv";
     if (progress)
@@ -162,6 +181,7 @@ void RunFolder::append_summary(int64_t epoch, const NamedValues& train, const Na
   for (auto& [k, v] : train) row += fmt::format(",{}", v);
   for (auto& [k, v] : eval) row += fmt::format(",{}", v);
   f << row << fmt::format(",{}\n", lr);
+  if (!f.flush()) log::warn("cannot write '{}': epoch {}'s row is not saved (disk full?)", summary, epoch);
 }
 
 void RunFolder::truncate_summary(int64_t from_epoch) const {

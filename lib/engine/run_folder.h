@@ -32,6 +32,9 @@ class RunFolder {
   // summary.csv rows, no stale checkpoint-<N> beside the new ones for --resume auto to pick.
   // Returns the folder they went to ("" when none).
   std::string begin(const std::string& args_yaml, bool continues) const;
+  // Moves `files` (paths in this folder) into the next free <dir>/earlier-run-<N>/ and returns it
+  // ("" when there is nothing to move, or on other ranks).
+  std::string set_aside(const std::vector<std::string>& files) const;
   // One summary.csv row; the header is written with the first row of a new file.
   void append_summary(int64_t epoch, const NamedValues& train, const NamedValues& eval, double lr) const;
   // A resumed run: drops the rows of epochs >= `from_epoch` (written before a kill, about to be

@@ -5,7 +5,9 @@
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 #include <unistd.h>
@@ -79,7 +81,11 @@ void save_safetensors(const std::string& path, const std::vector<std::pair<std::
       throw UserError("failed writing '" + tmp + "' (disk full?)");
     }
   }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) throw UserError("cannot rename '" + tmp + "' to '" + path + "'");
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    const std::string why = std::strerror(errno);
+    std::remove(tmp.c_str());  // no temporary file left behind
+    throw UserError("cannot rename '" + tmp + "' to '" + path + "' (" + why + ")");
+  }
 }
 
 namespace {

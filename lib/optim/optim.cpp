@@ -139,6 +139,8 @@ void Optimizer::load_state(const std::map<std::string, at::Tensor>& st) {
           throw UserError(fmt::format("{} is {}, not floating point", what, c10::toString(t.scalar_type())));
         if (t.is_floating_point() && !at::isfinite(t).all().item<bool>())
           throw UserError(fmt::format("{} holds NaN or infinite values", what));
+        if ((key == "exp_avg_sq" || key == "square_avg") && (t < 0).any().item<bool>())
+          throw UserError(fmt::format("{} holds negative values (a running average of squares cannot)", what));
         auto& ps = state_[g.names[i]];
         if (key == "step") {
           const double v = t.numel() == 1 ? t.to(at::kDouble).item<double>() : -1.0;

@@ -951,6 +951,9 @@ TEST_CASE("resume auto passes over a damaged newest checkpoint to the one before
   CHECK(r.code == 0);
   CHECK_THAT(r.output, Catch::Contains("--resume auto: skipping '" + last + "'"));
   CHECK_THAT(r.output, Catch::Contains("Resumed from checkpoint '" + (out / "f/checkpoint-0.safetensors") + "' (epoch 0)"));
+  // the damaged newer file (and its links) went aside, kept for a look
+  CHECK_THAT(r.output, Catch::Contains("moved to '" + (out / "f/earlier-run-1") + "'"));
+  CHECK(fs::file_size(out / "f/earlier-run-1/last.safetensors") < fs::file_size(last));
   CHECK(engine::Checkpoint::read_meta(last).epoch == 2);
   CHECK(test::read_csv(out / "f/summary.csv").size() == 4);  // header + epochs 0, 1 (redone), 2
   // A new run (no --resume) into the folder moves this run's files aside, with one warning, so
@@ -960,10 +963,10 @@ TEST_CASE("resume auto passes over a damaged newest checkpoint to the one before
   CHECK(fresh.code == 0);
   CHECK_THAT(fresh.output, Catch::Contains("WARNING: '" + (out / "f") + "' held an earlier run ("));
   CHECK_THAT(fresh.output, Catch::Contains(" checkpoint file(s) and summary.csv); this run does not resume it, so that "
-                                           "run's files are moved to '" + (out / "f/earlier-run-1") + "'"));
-  CHECK(engine::Checkpoint::read_meta(out / "f/earlier-run-1/last.safetensors").epoch == 2);
+                                           "run's files are moved to '" + (out / "f/earlier-run-2") + "'"));
+  CHECK(engine::Checkpoint::read_meta(out / "f/earlier-run-2/last.safetensors").epoch == 2);
   CHECK(test::read_csv(out / "f/summary.csv").size() == 2);  // the new run's header and epoch 0
-  CHECK(test::read_csv(out / "f/earlier-run-1/summary.csv").size() == 4);
+  CHECK(test::read_csv(out / "f/earlier-run-2/summary.csv").size() == 4);
   auto again = test::run(kBin + args + " --epochs 2 --resume auto");
   INFO(again.output);
   CHECK(again.code == 0);
@@ -971,6 +974,22 @@ TEST_CASE("resume auto passes over a damaged newest checkpoint to the one before
   CHECK_THAT(again.output, Catch::Contains("(epoch 0)"));
   CHECK_THAT(again.output, !Catch::Contains("earlier run"));
   CHECK(test::read_csv(out / "f/summary.csv").size() == 3);
+  // Going back to an earlier checkpoint of the folder's own run: the later epochs' checkpoints go
+  // aside, so --resume auto continues the rewound run and summary.csv holds its rows only.
+  auto rewind = test::run(kBin + args + " --epochs 2 --resume " + (out / "f/checkpoint-0.safetensors"));
+  INFO(rewind.output);
+  CHECK(rewind.code == 0);
+  CHECK_THAT(rewind.output, Catch::Contains("later checkpoint file(s) of this folder, from the epochs now redone, "
+                                            "moved to '" + (out / "f/earlier-run-3") + "'"));
+  CHECK(engine::Checkpoint::read_meta(out / "f/earlier-run-3/checkpoint-1.safetensors").epoch == 1);
+  CHECK(engine::Checkpoint::read_meta(out / "f/checkpoint-1.safetensors").epoch == 1);  // epoch 1 again
+  CHECK(test::read_csv(out / "f/summary.csv").size() == 3);
+  // another folder's checkpoint: this folder gets its own model_best (the best starts afresh)
+  auto other = test::run(kBin + " train --data-dir " + data + kSmallArgs + " -b 50 --output " + out.path.string() +
+                         " --experiment g --epochs 4 --resume " + (out / "f/earlier-run-2/last.safetensors"));
+  INFO(other.output);
+  CHECK(other.code == 0);
+  CHECK(engine::Checkpoint::read_meta(out / "g/model_best.safetensors").epoch == 3);
 }
 
 TEST_CASE("a checkpoint write that runs out of space fails in one line and keeps the earlier checkpoint",

@@ -23,6 +23,7 @@
 #include <torch/torch.h>
 
 #include <cstdio>
+#include <sys/stat.h>
 #include <functional>
 #include <set>
 #include <cstdlib>
@@ -417,6 +418,21 @@ TEST_CASE("a run that does not resume its folder's run moves that run's files as
     CHECK(fs::exists(d / "earlier-run-2" / "summary.csv"));
     CHECK(fs::exists(d / "earlier-run-1" / "summary.csv"));
   }
+  // a FIFO (or folder) where the run writes by name is refused, not waited on
+  fs::remove(d / "log.txt");
+  REQUIRE(::mkfifo((d / "log.txt").c_str(), 0644) == 0);
+  {
+    engine::RunFolder folder(out.path.string(), "exp", true);
+    CHECK_THROWS_WITH(folder.begin("a: 5\n", false), Catch::Contains("log.txt' is not a regular file"));
+  }
+  fs::remove(d / "log.txt");
+  // the lock is never taken through a link (it would overwrite the link's target)
+  test::TempDir other("other");
+  test::write_file(other / "precious", "keep");
+  fs::create_directories(out / "linked");
+  fs::create_symlink(other / "precious", out / "linked/.lock");
+  CHECK_THROWS_WITH(engine::RunFolder(out.path.string(), "linked", true), Catch::Contains(".lock"));
+  CHECK(test::read_file(other / "precious") == "keep");
 }
 
 TEST_CASE("TensorBoard framing: CRC-32C and the records of an events file", "[engine][tensorboard]") {
@@ -659,6 +675,10 @@ TEST_CASE("damaged optimizer state in a checkpoint is refused by name", "[optim]
     CHECK_THROWS_WITH(load(buf, nan), Catch::Contains("optimizer state '" + buf + "' holds NaN or infinite values"));
     CHECK_THROWS_WITH(load(buf, torch::zeros({10, 7}, torch::kInt64)), Catch::Contains("not floating point"));
     if (opt == "adamw") {
+      auto neg = good["fc.weight.exp_avg_sq"].clone();
+      neg[1][1] = -1.0;
+      CHECK_THROWS_WITH(load("fc.weight.exp_avg_sq", neg),
+                        Catch::Contains("optimizer state 'fc.weight.exp_avg_sq' holds negative values"));
       CHECK_THROWS_WITH(load("fc.weight.step", torch::tensor(-1.0, torch::kFloat64)),
                         Catch::Contains("optimizer state 'fc.weight.step' is not a step count"));
       CHECK_THROWS_WITH(load("fc.weight.step", torch::tensor(2.5, torch::kFloat64)), Catch::Contains("step count"));

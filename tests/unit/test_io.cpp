@@ -60,6 +60,11 @@ TEST_CASE("safetensors round trip keeps dtypes, shapes, values and metadata", "[
   uint64_t hn = 0;
   for (int i = 0; i < 8; ++i) hn |= uint64_t(uint8_t(bytes[i])) << (8 * i);
   CHECK(hn % 8 == 0);
+  // a rename that fails (the name is a folder) says why and leaves no temporary file
+  std::filesystem::create_directories(d / "dir.safetensors");
+  CHECK_THROWS_WITH(io::save_safetensors(d / "dir.safetensors", t, {}), Catch::Contains("(Is a directory)"));
+  for (auto& e : std::filesystem::directory_iterator(d.path))
+    CHECK(e.path().filename().string().find(".tmp") == std::string::npos);
 }
 
 TEST_CASE("malformed safetensors files are refused with a reason", "[io]") {
