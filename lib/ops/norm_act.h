@@ -28,4 +28,8 @@ at::Tensor batch_norm_act_train(const at::Tensor& x, const at::Tensor& weight, c
                                 const at::Tensor& running_mean, const at::Tensor& running_var, double momentum,
                                 double eps, NormAct act, const at::Tensor& residual);
 
+// The number of threads an at::parallel_for of these kernels runs on now (1 when the library was
+// built without OpenMP, whatever at::get_num_threads() says): the kernels' threading, testable.
+int kernel_threads();
+
 }  // namespace imgtrain::ops

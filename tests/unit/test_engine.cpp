@@ -944,6 +944,20 @@ TEST_CASE("training fusion: BatchNorm + residual + activation in one kernel equa
           CHECK(rel_err(rm2, rm1) < 1e-5);
           CHECK(rel_err(rv2, rv1) < 1e-4);
         }
+  // the kernels do split their work: built with OpenMP, at::parallel_for runs on the threads asked
+  // for (without it, it silently ran everything on the calling thread)
+  {
+    const int before = at::get_num_threads();
+    at::set_num_threads(2);
+#ifdef IMGTRAIN_KERNELS_OPENMP
+    CHECK(ops::kernel_threads() == 2);
+#else
+    WARN("built without OpenMP: imgtrain's kernels run on one thread");
+#endif
+    at::set_num_threads(1);
+    CHECK(ops::kernel_threads() == 1);
+    at::set_num_threads(before);
+  }
   // the bits do not depend on the number of threads (fixed blocks, fixed order of the sums)
   for (bool cl : {false, true}) {
     torch::manual_seed(4);
@@ -1144,4 +1158,3 @@ TEST_CASE("training fusion in the zoo: float64 equals torch's modules, float32 i
       CHECK(differs64);
     }
 }
-
