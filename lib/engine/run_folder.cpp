@@ -59,6 +59,8 @@ RunFolder::RunFolder(const std::string& output, const std::string& experiment, b
   const std::string lock_path = dir_ + "/.lock";
   // never through a link (it would overwrite the link's target) and never a FIFO or device
   const int fd = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0644);
+  if (fd < 0 && errno == ELOOP)
+    throw UserError(fmt::format("'{}' is a symbolic link, not a regular file; remove it", lock_path));
   if (fd < 0) throw UserError(fmt::format("cannot create '{}' ({})", lock_path, std::strerror(errno)));
   struct stat st {};
   if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
@@ -129,8 +131,9 @@ std::string RunFolder::set_aside(const std::vector<std::string>& files) const {
 
 std::string RunFolder::begin(const std::string& args_yaml, bool continues) const {
   if (!primary_) return "";
-  // files the run opens by name: a FIFO or a folder there would block or fail each write
-  for (const char* name : {"args.yaml", "log.txt", "summary.csv"}) {
+  // files the run opens by name: a FIFO or a folder there would block or fail a write (the
+  // checkpoints' only after a whole epoch)
+  for (const char* name : {"args.yaml", "log.txt", "summary.csv", "last.safetensors", "model_best.safetensors"}) {
     std::error_code ec;
     const auto st = fs::status(path(name), ec);
     if (fs::exists(st) && !fs::is_regular_file(st))

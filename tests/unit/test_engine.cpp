@@ -431,7 +431,14 @@ TEST_CASE("a run that does not resume its folder's run moves that run's files as
   test::write_file(other / "precious", "keep");
   fs::create_directories(out / "linked");
   fs::create_symlink(other / "precious", out / "linked/.lock");
-  CHECK_THROWS_WITH(engine::RunFolder(out.path.string(), "linked", true), Catch::Contains(".lock"));
+  CHECK_THROWS_WITH(engine::RunFolder(out.path.string(), "linked", true), Catch::Contains(".lock' is a symbolic link"));
+  // a folder where a checkpoint goes is found at the start, not after an epoch
+  fs::create_directories(d / "last.safetensors");
+  {
+    engine::RunFolder folder(out.path.string(), "exp", true);
+    CHECK_THROWS_WITH(folder.begin("a: 6\n", false), Catch::Contains("last.safetensors' is not a regular file"));
+  }
+  fs::remove(d / "last.safetensors");
   CHECK(test::read_file(other / "precious") == "keep");
 }
 
