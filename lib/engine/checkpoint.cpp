@@ -221,26 +221,29 @@ std::optional<PlateauMeta> parse_plateau(const std::string& text) {
   return m;
 }
 
-std::vector<std::string> find_checkpoints(const std::string& dir) {
+std::vector<std::pair<std::string, CheckpointMeta>> scan_checkpoints(const std::string& dir, bool warn) {
   std::error_code ec;
-  std::vector<std::pair<std::pair<int64_t, int>, std::string>> found;
+  std::vector<std::pair<std::string, CheckpointMeta>> out;
   for (auto& e : fs::directory_iterator(dir, ec)) {
     const auto name = e.path().filename().string();
     if (e.path().extension() != ".safetensors" || name.find(".tmp") != std::string::npos) continue;
     if (std::error_code rec; !e.is_regular_file(rec)) {  // a FIFO would block the read
-      log::warn("--resume auto: ignoring '{}': not a regular file", e.path().string());
+      if (warn) log::warn("--resume auto: ignoring '{}': not a regular file", e.path().string());
       continue;
     }
-    CheckpointMeta m;
     try {
-      m = Checkpoint::read_meta(e.path().string());
+      out.emplace_back(e.path().string(), Checkpoint::read_meta(e.path().string()));
     } catch (const UserError&) {
-      log::warn("--resume auto: ignoring unreadable file '{}'", e.path().string());
-      continue;
+      if (warn) log::warn("--resume auto: ignoring unreadable file '{}'", e.path().string());
     }
-    if (!m.num_updates || !m.epoch) continue;
-    found.push_back({{*m.num_updates, m.recovery_update ? 0 : 1}, e.path().string()});
   }
+  return out;
+}
+
+std::vector<std::string> find_checkpoints(const std::string& dir) {
+  std::vector<std::pair<std::pair<int64_t, int>, std::string>> found;
+  for (auto& [path, m] : scan_checkpoints(dir, /*warn=*/true))
+    if (m.num_updates && m.epoch) found.push_back({{*m.num_updates, m.recovery_update ? 0 : 1}, path});
   // newest first; at equal keys (last / checkpoint-N / model_best of one epoch) by name, so the
   // order does not depend on the directory's
   std::sort(found.begin(), found.end(), [](auto& a, auto& b) {

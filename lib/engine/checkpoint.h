@@ -100,6 +100,9 @@ class Checkpoint {
 // end-of-epoch file); empty when there is none yet. Files whose header is unreadable are skipped
 // with a warning; the caller falls back to the next one when a file's tensors turn out damaged.
 std::vector<std::string> find_checkpoints(const std::string& dir);
+// The .safetensors files of `dir` whose header reads, with their metadata (temporary and
+// non-regular files left out; both, and unreadable headers, warned when `warn`).
+std::vector<std::pair<std::string, CheckpointMeta>> scan_checkpoints(const std::string& dir, bool warn);
 
 class CheckpointSaver {
  public:

@@ -322,19 +322,8 @@ int fit(const cli::Config& given_cfg, torch::Device device, dist::Context* ctx) 
       // resuming an earlier point of the folder's run: the checkpoints written after it belong to
       // the epochs about to be redone, so they go aside (--resume auto must not continue them)
       std::vector<std::string> later;
-      std::error_code dir_ec;
-      for (auto& e : fs::directory_iterator(run.dir(), dir_ec)) {
-        const auto name = e.path().filename().string();
-        std::error_code rec;
-        if (e.path().extension() != ".safetensors" || name.find(".tmp") != std::string::npos ||
-            !e.is_regular_file(rec))
-          continue;
-        try {
-          const auto m = Checkpoint::read_meta(e.path().string());
-          if (m.num_updates && *m.num_updates > rp.resumed_updates) later.push_back(e.path().string());
-        } catch (const UserError&) {
-        }
-      }
+      for (auto& [path, m] : scan_checkpoints(run.dir(), /*warn=*/false))
+        if (m.num_updates && *m.num_updates > rp.resumed_updates) later.push_back(path);
       std::sort(later.begin(), later.end());
       if (const auto to = run.set_aside(later); !to.empty())
         log::warn("resuming '{}' at update {}: {} later checkpoint file(s) of this folder, from the epochs now redone, "
