@@ -7,7 +7,10 @@ Usage: torchvision_detection.py --model maskrcnn_resnet50_fpn --bench both -b 2 
        [--num-warm-iter 2] [--num-bench-iter 5] [--amp] [--amp-dtype bfloat16] [--weights SD.safetensors]
 --weights: load a state dict (e.g. one saved with --save-weights, then given to imgtrain's
 --pretrained-path) so both sides run the same weights and so the same detections;
-infer_detections_per_image says how many the mask head ran on."""
+infer_detections_per_image says how many the mask head ran on.
+--trainable-backbone-layers N: the fine-tuning configuration, the builder's path for a body started
+from weights (FrozenBatchNorm2d, the layers before the last N frozen) with random weights in place
+of the download (imgtrain's benchmark takes the same flag)."""
 import argparse
 import json
 import time
@@ -32,6 +35,8 @@ p.add_argument('--amp-dtype', default='float16')
 p.add_argument('--opt', default='sgd')
 p.add_argument('--weights', default='', help='a safetensors state dict to load')
 p.add_argument('--save-weights', default='', help='write the (random) initial state dict here and exit')
+p.add_argument('--trainable-backbone-layers', type=int, default=None)
+p.add_argument('--profile', action='store_true', help='print the ops with the most self CPU time over the timed steps')
 args = p.parse_args()
 dtype = torch.bfloat16 if args.amp_dtype == 'bfloat16' else torch.float16
 
@@ -39,6 +44,19 @@ dtype = torch.bfloat16 if args.amp_dtype == 'bfloat16' else torch.float16
 def build():
     name = args.model
     kw = dict(weights=None, weights_backbone=None, num_classes=args.num_classes)
+    if args.trainable_backbone_layers is not None:
+        # the builder's is_trained path (FrozenBatchNorm2d, _validate_trainable_layers), with the
+        # backbone constructor made to ignore the weights it is given (no download, random init)
+        import torchvision.models.detection.faster_rcnn as frcnn
+        import torchvision.models.detection.mask_rcnn as mrcnn
+        for mod in (frcnn, mrcnn):
+            for ctor in ('resnet50', 'mobilenet_v3_large'):
+                if hasattr(mod, ctor):
+                    real = getattr(torchvision.models, ctor)
+                    setattr(mod, ctor, lambda weights=None, progress=True, _real=real, **k: _real(weights=None, **k))
+        bb = ('MobileNet_V3_Large_Weights' if 'mobilenet' in name else 'ResNet50_Weights')
+        kw['weights_backbone'] = getattr(torchvision.models, bb).IMAGENET1K_V1
+        kw['trainable_backbone_layers'] = args.trainable_backbone_layers
     if hasattr(torchvision.models.detection, name):
         return getattr(torchvision.models.detection, name)(**kw)
     # imgtrain's R18/R34/R101 detectors: torchvision's v1 heads on resnet_fpn_backbone
@@ -109,10 +127,16 @@ for prefix in (['infer', 'train'] if args.bench == 'both' else ['infer' if args.
 
     for _ in range(args.num_warm_iter):
         step()
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if args.profile else None
+    if prof:
+        prof.__enter__()
     total, start = 0.0, time.perf_counter()
     for _ in range(args.num_bench_iter):
         total += step()
     elapsed = time.perf_counter() - start
+    if prof:
+        prof.__exit__(None, None, None)
+        print(prof.key_averages().table(sort_by='self_cpu_time_total', row_limit=25))
     results[prefix + '_samples_per_sec'] = round(b * args.num_bench_iter / elapsed, 3)
     results[prefix + '_step_time'] = round(1000 * total / args.num_bench_iter, 3)
     results[prefix + '_batch_size'] = b

@@ -270,8 +270,9 @@ const std::vector<Flag>& flags() {
       {"aspect-ratio-group-factor", "", &Config::aspect_ratio_group_factor,
        "Batch images of similar aspect ratio: 2k+2 groups (torchvision's GroupedBatchSampler); -1: off", TRAIN},
       {"trainable-backbone-layers", "", &Config::trainable_backbone_layers,
-       "Backbone layers trained, 0-5 from layer4 down (default: 3 from backbone weights, else all)", TRAIN, {},
-       non_negative},
+       "Backbone layers trained, 0-5 from layer4 down (default: 3 from backbone weights, else all); benchmark: "
+       "time the fine-tuning configuration (FrozenBatchNorm2d, the other layers frozen)",
+       TRAIN | BENCH, {}, non_negative},
       {"rpn-score-thresh", "", &Config::rpn_score_thresh, "Minimum objectness of an RPN proposal", BOTH, {},
        probability},
       {"data-augmentation", "", &Config::data_augmentation,

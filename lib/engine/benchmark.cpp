@@ -32,6 +32,8 @@
 #include <optional>
 #include <thread>
 #include <unordered_map>
+#include <string_view>
+#include <unordered_set>
 
 namespace imgtrain::engine {
 namespace {
@@ -51,18 +53,30 @@ struct Frame : at::ObserverContext {
   Clock::time_point t0;
   double children = 0;
   Frame* parent = nullptr;
+  const char* name = "";
 };
 thread_local Frame* current = nullptr;
 struct Stat {
   int64_t calls = 0;
   double self = 0, total = 0;
+  std::unordered_map<std::string, double> by_caller;  // self time by the op (or scope) that called it
 };
 std::mutex mu;
 std::unordered_map<std::string, Stat> stats;
 
-std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction&) {
+bool is_wrapper(std::string_view name) {
+  static const std::unordered_set<std::string_view> wrappers{
+      "aten::clone",       "aten::contiguous", "aten::to",          "aten::_to_copy", "aten::zero_",
+      "aten::zeros",       "aten::zeros_like", "aten::empty_like",  "aten::convolution", "aten::_convolution",
+      "aten::batch_norm",  "aten::_batch_norm_impl_index",           "aten::reshape",  "aten::copy_",
+      "aten::fill_",       "aten::new_zeros",  "aten::full",        "aten::ones_like", "aten::max_pool2d"};
+  return wrappers.count(name) > 0;
+}
+
+std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   auto f = std::make_unique<Frame>();
   f->parent = current;
+  f->name = fn.name();
   current = f.get();
   f->t0 = Clock::now();
   return f;
@@ -72,6 +86,10 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
   auto* f = static_cast<Frame*>(ctx);
   if (!f) return;
   const double dur = std::chrono::duration<double>(t1 - f->t0).count();
+  // the caller, past thin wrappers (clone, contiguous, zero_, ...) that only forward to the op
+  const Frame* up = f->parent;
+  while (up && is_wrapper(up->name)) up = up->parent;
+  const char* caller = up ? up->name : "";
   if (current == f) {  // nested on this thread: the parent is still open
     current = f->parent;
     if (f->parent) f->parent->children += dur;
@@ -81,6 +99,7 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
   ++st.calls;
   st.self += dur - f->children;
   st.total += dur;
+  st.by_caller[caller] += dur - f->children;
 }
 
 // Records while alive.
@@ -126,8 +145,16 @@ void report(int64_t steps, const std::string& prefix, nlohmann::ordered_json& re
   std::sort(ops.begin(), ops.end(), [](auto& a, auto& b) { return a.second.self > b.second.self; });
   for (size_t i = 0; i < std::min<size_t>(ops.size(), 20); ++i) {
     auto& [name, st] = ops[i];
-    std::printf("%10.2f %5.1f%% %11.1f  %s\n", st.self * per, 100.0 * st.self / std::max(all_self, 1e-12),
-                double(st.calls) / double(steps), name.c_str());
+    // where a small op's time comes from: its two largest callers, when it is called from elsewhere
+    std::vector<std::pair<std::string, double>> callers(st.by_caller.begin(), st.by_caller.end());
+    std::sort(callers.begin(), callers.end(), [](auto& a, auto& b) { return a.second > b.second; });
+    std::string from;
+    for (size_t k = 0; k < std::min<size_t>(callers.size(), 2); ++k)
+      if (!callers[k].first.empty() && callers[k].second > 0.05 * st.self)
+        from += fmt::format("{}{} {:.0f}%", from.empty() ? "  <- " : ", ", callers[k].first,
+                            100.0 * callers[k].second / std::max(st.self, 1e-12));
+    std::printf("%10.2f %5.1f%% %11.1f  %s%s\n", st.self * per, 100.0 * st.self / std::max(all_self, 1e-12),
+                double(st.calls) / double(steps), name.c_str(), from.c_str());
   }
   std::fflush(stdout);
 }
@@ -324,6 +351,13 @@ int benchmark_detection(const cli::Config& cfg, torch::Device device) {
   o.box_head_dim = cfg.box_head_dim;
   o.mask_head_dim = cfg.mask_head_dim;
   o.mask_head_convs = cfg.mask_head_convs;
+  // --trainable-backbone-layers N: the fine-tuning configuration, a body started from weights
+  // (FrozenBatchNorm2d, the layers before the last N frozen), as torchvision builds it with
+  // weights_backbone; without it the builder's weights=None one (BatchNorm2d, every layer trained).
+  if (cfg.trainable_backbone_layers) {
+    o.from_weights = true;
+    o.trainable_backbone_layers = *cfg.trainable_backbone_layers;
+  }
   torch::manual_seed(uint64_t(cfg.seed));
   det::ImageBatch batch;
   batch.tensors = torch::zeros({b, 3, padded, padded});
@@ -357,8 +391,9 @@ int benchmark_detection(const cli::Config& cfg, torch::Device device) {
     auto model = det::create_rcnn(cfg.model, o);
     if (!cfg.pretrained_path.empty()) {  // the same weights as another run (e.g. torchvision's, saved)
       const auto file = io::load_weights_file(cfg.pretrained_path);
-      io::load_state_dict(*model, file, io::weights_prefix(file, /*prefer_ema=*/true),
-                          fmt::format("--pretrained-path '{}'", cfg.pretrained_path));
+      log::info("{}", det::load_rcnn_weights(*model, file, io::weights_prefix(file, /*prefer_ema=*/true),
+                                             fmt::format("--pretrained-path '{}'", cfg.pretrained_path),
+                                             cfg.pretrained_path));
     }
     params = model_zoo::count_params(*model);
     model->to(device);

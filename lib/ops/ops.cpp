@@ -306,6 +306,54 @@ struct RoiAlignFn : public torch::autograd::Function<RoiAlignFn> {
   }
 };
 
+// MultiScaleRoIAlign's gather in one autograd node: RoI k is pooled from feats[levels[k]] into row k
+// of one output. The same kernels per level as roi_align; what it saves is the scatter into a
+// zeroed result level by level, whose backward cloned the whole gradient once per level.
+struct MultiLevelRoiAlignFn : public torch::autograd::Function<MultiLevelRoiAlignFn> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, at::TensorList feats, const at::Tensor& rois,
+                            const at::Tensor& levels, const std::vector<double>& scales, int64_t ph, int64_t pw,
+                            int64_t sampling, bool aligned) {
+    ctx->saved_data["scales"] = scales;
+    ctx->saved_data["ph"] = ph;
+    ctx->saved_data["pw"] = pw;
+    ctx->saved_data["sampling"] = sampling;
+    ctx->saved_data["aligned"] = aligned;
+    for (size_t l = 0; l < feats.size(); ++l) ctx->saved_data["shape" + std::to_string(l)] = feats[l].sizes().vec();
+    ctx->save_for_backward({rois, levels});
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto out = at::zeros({rois.size(0), feats[0].size(1), ph, pw}, feats[0].options());
+    for (size_t l = 0; l < feats.size(); ++l) {
+      const auto idx = at::where(levels.eq(int64_t(l)))[0];
+      if (idx.numel() == 0) continue;
+      out.index_copy_(0, idx,
+                      roi_align_forward(feats[l], rois.index_select(0, idx), {scales[l], ph, pw, sampling, aligned}));
+    }
+    return out;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &rois = saved[0], &levels = saved[1];
+    const auto scales = ctx->saved_data["scales"].toDoubleVector();
+    const int64_t ph = ctx->saved_data["ph"].toInt(), pw = ctx->saved_data["pw"].toInt();
+    const int64_t sampling = ctx->saved_data["sampling"].toInt();
+    const bool aligned = ctx->saved_data["aligned"].toBool();
+    torch::autograd::variable_list out;
+    for (size_t l = 0; l < scales.size(); ++l) {
+      const auto idx = at::where(levels.eq(int64_t(l)))[0];
+      if (idx.numel() == 0) {
+        out.emplace_back();  // no RoI read this level: no gradient (zero)
+        continue;
+      }
+      const auto shape = ctx->saved_data["shape" + std::to_string(l)].toIntVector();
+      out.push_back(roi_align_backward(grads[0].index_select(0, idx), rois.index_select(0, idx), shape,
+                                       {scales[l], ph, pw, sampling, aligned}, grads[0].device()));
+    }
+    for (int i = 0; i < 7; ++i) out.emplace_back();  // rois, levels, scales, ph, pw, sampling, aligned
+    return out;
+  }
+};
+
 // ---- NMS --------------------------------------------------------------------------------------
 
 template <typename T>
@@ -422,6 +470,26 @@ at::Tensor roi_align(const at::Tensor& input, const at::Tensor& rois, double spa
   return RoiAlignFn::apply(input.to(at::kFloat), rois.to(at::kFloat), spatial_scale, pooled_h, pooled_w,
                            sampling_ratio, aligned)
       .to(input.scalar_type());
+}
+
+at::Tensor multiscale_roi_align(at::TensorList feats, const at::Tensor& rois, const at::Tensor& levels,
+                                const std::vector<double>& scales, int64_t pooled_h, int64_t pooled_w,
+                                int64_t sampling_ratio, bool aligned) {
+  if (feats.empty() || feats.size() != scales.size())
+    throw std::invalid_argument("multiscale_roi_align: one scale per feature map is needed");
+  for (auto& f : feats) check_roi_align(f, rois, pooled_h, pooled_w);
+  if (levels.dim() != 1 || levels.size(0) != rois.size(0))
+    throw std::invalid_argument("multiscale_roi_align: levels must be [K], one per RoI");
+  const auto lv = levels.to(at::kLong);
+  const auto type = feats[0].scalar_type();
+  if (type == at::kFloat || type == at::kDouble)
+    return MultiLevelRoiAlignFn::apply(feats, rois, lv, scales, pooled_h, pooled_w, sampling_ratio, aligned);
+  // half / bfloat16 (autocast's outputs): float32 inside, the first map's dtype out, as roi_align
+  std::vector<at::Tensor> f32;
+  for (auto& f : feats) f32.push_back(f.to(at::kFloat));
+  return MultiLevelRoiAlignFn::apply(f32, rois.to(at::kFloat), lv, scales, pooled_h, pooled_w, sampling_ratio,
+                                     aligned)
+      .to(type);
 }
 
 }  // namespace imgtrain::ops

@@ -9,6 +9,8 @@
 #pragma once
 #include <ATen/core/Tensor.h>
 
+#include <vector>
+
 namespace imgtrain::ops {
 
 // (x2 - x1) * (y2 - y1) of [N, 4] x1y1x2y2 boxes (half precision upcast to float, as torchvision).
@@ -29,5 +31,11 @@ at::Tensor batched_nms(const at::Tensor& boxes, const at::Tensor& scores, const 
 // [K, C, pooled_h, pooled_w]. sampling_ratio <= 0: ceil(roi size / pooled size) samples per bin.
 at::Tensor roi_align(const at::Tensor& input, const at::Tensor& rois, double spatial_scale, int64_t pooled_h,
                      int64_t pooled_w, int64_t sampling_ratio, bool aligned);
+// MultiScaleRoIAlign's pooling: RoI k (rois as above) pooled from feats[levels[k]] at scales[levels[k]]
+// into row k of one [K, C, pooled_h, pooled_w] output, the same numbers as roi_align level by level;
+// one autograd node (no zero-filled result scattered into per level, no per-level gradient copies).
+at::Tensor multiscale_roi_align(at::TensorList feats, const at::Tensor& rois, const at::Tensor& levels,
+                                const std::vector<double>& scales, int64_t pooled_h, int64_t pooled_w,
+                                int64_t sampling_ratio, bool aligned);
 
 }  // namespace imgtrain::ops

@@ -6,6 +6,8 @@
 #include "core/batch_norm.h"
 #include "core/error.h"
 #include "core/log.h"
+#include "io/safetensors.h"
+#include "io/weights.h"
 #include "model_zoo/registry.h"
 #include "ops/ops.h"
 
@@ -19,6 +21,7 @@
 #include <torch/nn/modules/linear.h>
 
 #include <cmath>
+#include <set>
 
 namespace imgtrain::model_zoo::detection {
 namespace {
@@ -494,13 +497,7 @@ at::Tensor multiscale_roi_align(const std::vector<at::Tensor>& feats, const std:
   auto s = at::sqrt(at::cat(areas));
   auto lvls = at::floor(at::log2(s / 224) + 4 + at::scalar_tensor(1e-6, s.options()));
   lvls = lvls.clamp(double(k_min), double(k_max)).to(at::kLong) - k_min;
-  auto result = at::zeros({rois.size(0), feats[0].size(1), out, out}, feats[0].options());
-  for (int64_t l = 0; l < int64_t(n_levels); ++l) {
-    auto idx = at::where(lvls.eq(l))[0];
-    auto r = ops::roi_align(feats[size_t(l)], rois.index_select(0, idx), scales[size_t(l)], out, out, sampling, aligned);
-    result.index_put_({idx}, r.to(result.scalar_type()));
-  }
-  return result;
+  return ops::multiscale_roi_align(feats, rois, lvls, scales, out, out, sampling, aligned);
 }
 
 at::Tensor box_regression_loss(const at::Tensor& pred, const at::Tensor& target, const std::string& kind) {
@@ -875,6 +872,47 @@ bool rcnn_has_mask(const std::string& arch) { return find_arch(arch).mask; }
 RCNNDefaults rcnn_defaults(const std::string& arch) { return find_arch(arch).defaults; }
 
 GeneralizedRCNN create_rcnn(const std::string& arch, const RCNNOptions& o) { return GeneralizedRCNN(arch, o); }
+
+std::string load_rcnn_weights(GeneralizedRCNNImpl& m, const io::SafeTensors& file, const std::string& prefix,
+                              const std::string& what, const std::string& source) {
+  io::SafeTensors st;
+  for (auto& [k, v] : file.tensors)
+    if (k.rfind(prefix, 0) == 0) st.tensors.emplace_back(k.substr(prefix.size()), v);
+  bool detector = false;
+  for (auto& [k, v] : st.tensors) detector = detector || k.rfind("backbone.", 0) == 0 || k.rfind("rpn.", 0) == 0;
+  if (!detector) {  // a classifier's state dict: the FPN body (its head, fc.* / head.*, is not used)
+    io::SafeTensors body;
+    for (auto& [k, v] : st.tensors) {
+      // the model keeps its own BN counters (below); a torch.save'd state dict has them too
+      const bool counter = k.find("num_batches_tracked") != std::string::npos;
+      // torchvision's mobilenet_v3_large keeps the body under features.N
+      const std::string name = k.rfind("features.", 0) == 0 ? k.substr(9) : k;
+      if (k.rfind("fc.", 0) != 0 && k.rfind("head.", 0) != 0 && k.rfind("classifier.", 0) != 0 && !counter)
+        body.tensors.emplace_back("backbone.body." + name, v);
+    }
+    std::set<std::string> keep;  // everything outside the body keeps its initialisation
+    for (auto& [k, v] : io::state_dict(m))
+      if (k.rfind("backbone.body.", 0) != 0 || k.find("num_batches_tracked") != std::string::npos) keep.insert(k);
+    io::load_state_dict(m, body, "", what, keep);
+    return fmt::format("Loaded backbone weights from {} ({} tensors)", source, body.tensors.size());
+  }
+  // A whole detector: predictors of another class count keep their initialisation (as timm's
+  // classifier reset); torchvision's frozen-BN files have no num_batches_tracked.
+  std::set<std::string> keep;
+  for (auto& [k, v] : io::state_dict(m)) {
+    const at::Tensor* t = st.find(k);
+    if (!t && k.find("num_batches_tracked") != std::string::npos) keep.insert(k);
+    if (t && t->sizes() != v.sizes() &&
+        (k.rfind("roi_heads.box_predictor.", 0) == 0 || k.rfind("roi_heads.mask_predictor.mask_fcn_logits", 0) == 0))
+      keep.insert(k);
+  }
+  io::SafeTensors use;
+  for (auto& [k, v] : st.tensors)
+    if (!keep.count(k)) use.tensors.emplace_back(k, v);
+  io::load_state_dict(m, use, "", what, keep);
+  return fmt::format("Loaded detector weights from {}{}", source,
+                     keep.empty() ? "" : fmt::format(" ({} tensors kept at their initialisation)", keep.size()));
+}
 
 }  // namespace imgtrain::model_zoo::detection
 

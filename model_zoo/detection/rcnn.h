@@ -18,6 +18,10 @@
 #include <utility>
 #include <vector>
 
+namespace imgtrain::io {
+struct SafeTensors;
+}
+
 namespace imgtrain::model_zoo::detection {
 
 struct RCNNOptions {
@@ -125,6 +129,12 @@ const std::vector<std::string>& rcnn_names();
 bool rcnn_has_mask(const std::string& arch);
 RCNNDefaults rcnn_defaults(const std::string& arch);
 GeneralizedRCNN create_rcnn(const std::string& arch, const RCNNOptions& o);
+// Weights into a detector from the tensors of a file under `prefix` (a checkpoint's model or EMA): a whole detector
+// (torchvision's, with or without BN counters; predictors of another class count keep their
+// initialisation) or a classifier's state dict for the body. `what` names the source in errors;
+// returns the line to log.
+std::string load_rcnn_weights(GeneralizedRCNNImpl& m, const io::SafeTensors& file, const std::string& prefix,
+                              const std::string& what, const std::string& source);
 
 // Pieces with torchvision's numbers, public for the tests.
 // BoxCoder.encode_single / decode_single (bbox_xform_clip log(1000/16)).

@@ -77,6 +77,55 @@ TEST_CASE("roi_align forward and input gradient equal torchvision's", "[parity][
   CHECK_THROWS(ops::roi_align(torch::zeros({1, 1, 4}), torch::zeros({1, 5}), 1.0, 2, 2, 0, false));
 }
 
+TEST_CASE("multiscale_roi_align equals roi_align level by level, forward and gradients", "[parity][ops]") {
+  torch::manual_seed(3);
+  // four levels of two images, strides 4..32 of a 64x96 canvas; level 2 gets no RoI
+  std::vector<at::Tensor> feats;
+  const std::vector<double> scales{0.25, 0.125, 0.0625, 0.03125};
+  for (double s : scales) feats.push_back(torch::randn({2, 3, int64_t(64 * s), int64_t(96 * s)}).requires_grad_());
+  const int64_t K = 23;
+  auto xy = torch::rand({K, 2}) * torch::tensor({80.0f, 50.0f}), wh = torch::rand({K, 2}) * 40 + 0.5;
+  auto rois = torch::cat({torch::randint(0, 2, {K, 1}).to(torch::kFloat), xy, xy + wh}, 1);
+  auto levels = torch::randint(0, 3, {K}, torch::kLong);
+  levels.masked_fill_(levels.eq(2), 3);
+  for (bool aligned : {false, true})
+    for (int64_t sampling : {2, 0}) {
+      INFO("aligned " << aligned << " sampling " << sampling);
+      auto y = ops::multiscale_roi_align(feats, rois, levels, scales, 5, 4, sampling, aligned);
+      // the reference: each level on its own, scattered into a zeroed result
+      auto want = torch::zeros({K, 3, 5, 4});
+      for (int64_t l = 0; l < 4; ++l) {
+        const auto idx = torch::where(levels.eq(l))[0];
+        want = want.index_put({idx}, ops::roi_align(feats[size_t(l)], rois.index_select(0, idx), scales[size_t(l)], 5,
+                                                    4, sampling, aligned));
+      }
+      CHECK(torch::equal(y, want));
+      const auto gy = torch::randn_like(y);
+      auto got = torch::autograd::grad({y}, feats, {gy}, {}, false, /*allow_unused=*/true);
+      auto ref = torch::autograd::grad({want}, feats, {gy}, {}, false, true);
+      for (size_t l = 0; l < 4; ++l) {
+        INFO("level " << l);
+        if (l == 2) {  // read by no RoI: no gradient, or a zero one
+          CHECK((!got[l].defined() || got[l].abs().sum().item<float>() == 0));
+          continue;
+        }
+        REQUIRE(got[l].defined());
+        CHECK(got[l].abs().sum().item<float>() > 0);
+        CHECK(torch::equal(got[l], ref[l]));
+      }
+    }
+  // bfloat16 maps (autocast) run in float32 and come back in bfloat16
+  std::vector<at::Tensor> bf;
+  for (auto& f : feats) bf.push_back(f.detach().to(torch::kBFloat16));
+  auto yb = ops::multiscale_roi_align(bf, rois, levels, scales, 5, 4, 2, false);
+  CHECK(yb.scalar_type() == torch::kBFloat16);
+  std::vector<at::Tensor> back;
+  for (auto& f : bf) back.push_back(f.to(torch::kFloat));
+  CHECK(torch::equal(yb, ops::multiscale_roi_align(back, rois, levels, scales, 5, 4, 2, false).to(torch::kBFloat16)));
+  CHECK_THROWS(ops::multiscale_roi_align(feats, rois, levels.slice(0, 1), scales, 5, 4, 2, false));
+  CHECK_THROWS(ops::multiscale_roi_align(feats, rois, levels, {0.25}, 5, 4, 2, false));
+}
+
 // The device kernels (ops_cuda.cu) against the same references: torchvision's CPU results, which
 // the device may differ from by float rounding (contraction), so values are compared with a
 // tolerance and NMS indices exactly. Without a GPU the test reports itself skipped (exit 77).

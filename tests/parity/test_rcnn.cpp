@@ -246,3 +246,49 @@ TEST_CASE("MobileNetV3 detectors have torchvision's state dict and builder defau
   o.trainable_backbone_layers = 7;
   CHECK_THROWS_WITH(create_rcnn("fasterrcnn_mobilenet_v3_large_fpn", o), Catch::Contains("expected 0 to 6"));
 }
+
+TEST_CASE("load_rcnn_weights takes torchvision's frozen-BN detector files and classifier bodies", "[rcnn]") {
+  RCNNOptions o;
+  o.num_classes = 5;
+  o.from_weights = true;  // FrozenBatchNorm2d, as a torchvision detector fine-tuned from a backbone
+  torch::manual_seed(1);
+  auto src = create_rcnn("fasterrcnn_resnet18_fpn", o);
+  torch::manual_seed(2);
+  auto dst = create_rcnn("fasterrcnn_resnet18_fpn", o);
+  // torchvision's FrozenBatchNorm2d has no num_batches_tracked: its files lack the counters
+  io::SafeTensors file;
+  int64_t counters = 0;
+  for (auto& [k, v] : io::state_dict(*src)) {
+    if (k.find("num_batches_tracked") != std::string::npos) {
+      ++counters;
+      continue;
+    }
+    file.tensors.emplace_back("model." + k, v.clone());
+  }
+  CHECK(counters > 0);
+  const auto line = load_rcnn_weights(*dst, file, "model.", "test file", "f.safetensors");
+  CHECK_THAT(line, Catch::Contains("Loaded detector weights from f.safetensors"));
+  for (auto& [k, v] : io::state_dict(*dst)) {
+    const at::Tensor* t = file.find("model." + k);
+    if (!t) continue;
+    INFO(k);
+    CHECK(torch::equal(v, *t));
+  }
+  // a missing weight (not a counter) is refused by name
+  io::SafeTensors broken;
+  for (auto& [k, v] : file.tensors)
+    if (k != "model.rpn.head.conv.0.0.weight" && k != "model.rpn.head.conv.weight") broken.tensors.emplace_back(k, v);
+  CHECK_THROWS_WITH(load_rcnn_weights(*dst, broken, "model.", "test file", "f"), Catch::Contains("rpn.head.conv"));
+  // a classifier's state dict (with a head and counters) goes into the body only
+  io::SafeTensors cls;
+  auto body = dst->named_parameters().find("backbone.body.layer1.0.conv1.weight");
+  REQUIRE(body != nullptr);
+  const auto fpn_before = dst->named_parameters()["backbone.fpn.inner_blocks.0.0.weight"].clone();
+  for (auto& [k, v] : io::state_dict(*src))
+    if (k.rfind("backbone.body.", 0) == 0) cls.tensors.emplace_back(k.substr(14), (v * 2).to(v.scalar_type()));
+  cls.tensors.emplace_back("fc.weight", torch::zeros({1000, 512}));
+  CHECK_THAT(load_rcnn_weights(*dst, cls, "", "cls", "c"), Catch::Contains("Loaded backbone weights from c"));
+  CHECK(torch::equal(dst->named_parameters()["backbone.body.layer1.0.conv1.weight"],
+                     src->named_parameters()["backbone.body.layer1.0.conv1.weight"] * 2));
+  CHECK(torch::equal(dst->named_parameters()["backbone.fpn.inner_blocks.0.0.weight"], fpn_before));
+}

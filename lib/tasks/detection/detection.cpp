@@ -71,48 +71,9 @@ void DetectionTask::load_pretrained(torch::nn::Module& model) const {
   // A state dict, or a checkpoint's (imgtrain's, timm's, torchvision's) EMA weights if it has
   // them, else its model's.
   const auto file = io::load_weights_file(o_.pretrained_path);
-  const std::string prefix = io::weights_prefix(file, /*prefer_ema=*/true);
-  io::SafeTensors st;
-  for (auto& [k, v] : file.tensors)
-    if (k.rfind(prefix, 0) == 0) st.tensors.emplace_back(k.substr(prefix.size()), v);
-  const std::string what = fmt::format("--pretrained-path '{}'", o_.pretrained_path);
-  auto& m = rcnn(model);
-  bool detector = false;
-  for (auto& [k, v] : st.tensors) detector = detector || k.rfind("backbone.", 0) == 0 || k.rfind("rpn.", 0) == 0;
-  if (!detector) {  // a classifier's state dict: the FPN body (its head, fc.* / head.*, is not used)
-    io::SafeTensors body;
-    for (auto& [k, v] : st.tensors) {
-      // the model keeps its own BN counters (below); a torch.save'd state dict has them too
-      const bool counter = k.find("num_batches_tracked") != std::string::npos;
-      // torchvision's mobilenet_v3_large keeps the body under features.N
-      const std::string name = k.rfind("features.", 0) == 0 ? k.substr(9) : k;
-      if (k.rfind("fc.", 0) != 0 && k.rfind("head.", 0) != 0 && k.rfind("classifier.", 0) != 0 && !counter)
-        body.tensors.emplace_back("backbone.body." + name, v);
-    }
-    std::set<std::string> keep;  // everything outside the body keeps its initialisation
-    for (auto& [k, v] : io::state_dict(m))
-      if (k.rfind("backbone.body.", 0) != 0 || k.find("num_batches_tracked") != std::string::npos) keep.insert(k);
-    io::load_state_dict(m, body, "", what, keep);
-    log::info("Loaded backbone weights from {} ({} tensors)", o_.pretrained_path, body.tensors.size());
-    return;
-  }
-  // A whole detector: predictors of another class count keep their initialisation (as timm's
-  // classifier reset); torchvision's frozen-BN files have no num_batches_tracked.
-  std::set<std::string> keep;
-  const auto own = io::state_dict(m);
-  for (auto& [k, v] : own) {
-    const at::Tensor* t = st.find(k);
-    if (!t && k.find("num_batches_tracked") != std::string::npos) keep.insert(k);
-    if (t && t->sizes() != v.sizes() &&
-        (k.rfind("roi_heads.box_predictor.", 0) == 0 || k.rfind("roi_heads.mask_predictor.mask_fcn_logits", 0) == 0))
-      keep.insert(k);
-  }
-  io::SafeTensors use;
-  for (auto& [k, v] : st.tensors)
-    if (!keep.count(k)) use.tensors.emplace_back(k, v);
-  io::load_state_dict(m, use, "", what, keep);
-  log::info("Loaded detector weights from {}{}", o_.pretrained_path,
-            keep.empty() ? "" : fmt::format(" ({} tensors kept at their initialisation)", keep.size()));
+  log::info("{}", model_zoo::detection::load_rcnn_weights(rcnn(model), file, io::weights_prefix(file, /*prefer_ema=*/true),
+                                                          fmt::format("--pretrained-path '{}'", o_.pretrained_path),
+                                                          o_.pretrained_path));
 }
 
 engine::StepOutput DetectionTask::forward_train(torch::nn::Module& model, at::Tensor x, const data::Batch& batch,
