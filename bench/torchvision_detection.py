@@ -36,6 +36,7 @@ p.add_argument('--opt', default='sgd')
 p.add_argument('--weights', default='', help='a safetensors state dict to load')
 p.add_argument('--save-weights', default='', help='write the (random) initial state dict here and exit')
 p.add_argument('--trainable-backbone-layers', type=int, default=None)
+p.add_argument('--channels-last', action='store_true')
 p.add_argument('--profile', action='store_true', help='print the ops with the most self CPU time over the timed steps')
 args = p.parse_args()
 dtype = torch.bfloat16 if args.amp_dtype == 'bfloat16' else torch.float16
@@ -98,11 +99,13 @@ for prefix in (['infer', 'train'] if args.bench == 'both' else ['infer' if args.
     if args.weights:
         from safetensors.torch import load_file
         model.load_state_dict(load_file(args.weights))
+    if args.channels_last:
+        model = model.to(memory_format=torch.channels_last)
     param_count = sum(q.numel() for q in model.parameters())
     train = prefix == 'train'
     model.train(train)
     opt = torch.optim.SGD([q for q in model.parameters() if q.requires_grad], lr=1e-4) if train else None
-    il = ImageList(x, sizes)
+    il = ImageList(x.contiguous(memory_format=torch.channels_last) if args.channels_last else x, sizes)
     seen = [0, 0]  # detections, inference steps
 
     def step():

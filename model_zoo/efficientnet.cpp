@@ -181,7 +181,7 @@ struct DepthwiseSeparableImpl : torch::nn::Module {
     if (se) x = se(x);
     if (!has_skip) return conv_bn_act(*conv_pw, *bn2, x);
     if (dpr > 0 && is_training()) return drop_path(conv_bn_act(*conv_pw, *bn2, x), dpr, true).add_(shortcut);
-    return conv_bn_act(*conv_pw, *bn2, x, Act::Identity, shortcut);
+    return conv_bn_act(*conv_pw, *bn2, x, Act::Identity, std::move(shortcut));
   }
 };
 
@@ -210,7 +210,7 @@ struct InvertedResidualImpl : torch::nn::Module {
     if (se) x = se(x);
     if (!has_skip) return conv_bn_act(*conv_pwl, *bn3, x);
     if (dpr > 0 && is_training()) return drop_path(conv_bn_act(*conv_pwl, *bn3, x), dpr, true).add_(shortcut);
-    return conv_bn_act(*conv_pwl, *bn3, x, Act::Identity, shortcut);
+    return conv_bn_act(*conv_pwl, *bn3, x, Act::Identity, std::move(shortcut));
   }
 };
 
@@ -299,7 +299,7 @@ class EfficientNetImpl : public ClassifierImpl {
   at::Tensor forward_features(const at::Tensor& in) override {
     auto x = conv_bn_act(*conv_stem_, *bn1_, in, act_);
     for (auto& stage : stages_)
-      for (auto& b : stage) x = b(x);
+      for (auto& b : stage) x = b(std::move(x));  // handed over: a block may sum into it (conv_bn_act)
     if (bn2_) x = conv_bn_act(*conv_head_, *bn2_, x, act_);
     return x;
   }
@@ -327,7 +327,7 @@ class EfficientNetImpl : public ClassifierImpl {
     auto x = conv_bn_act(*conv_stem_, *bn1_, in, act_);
     if (feature_info_[0].module == "bn1" && want(0)) out.push_back(x);
     for (size_t si = 0; si < stages_.size(); ++si) {
-      for (auto& b : stages_[si]) x = b(x);
+      for (auto& b : stages_[si]) x = b(std::move(x));
       const int64_t level = stage_feature_[si];
       if (level >= 0 && want(level)) out.push_back(x);
       if (level >= last) break;

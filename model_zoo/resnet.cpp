@@ -80,7 +80,7 @@ struct BasicBlockImpl : BlockImpl {
       x = drop_path(conv_bn_act(*conv2, *bn2, x), drop_path_rate, true);
       return x.add_(shortcut).relu_();
     }
-    return conv_bn_act(*conv2, *bn2, x, Act::ReLU, shortcut);
+    return conv_bn_act(*conv2, *bn2, x, Act::ReLU, std::move(shortcut));
   }
   void zero_init_last() override { torch::nn::init::zeros_(bn2->weight); }
 };
@@ -112,7 +112,7 @@ struct BottleneckImpl : BlockImpl {
       x = drop_path(conv_bn_act(*conv3, *bn3, x), drop_path_rate, true);
       return x.add_(shortcut).relu_();
     }
-    return conv_bn_act(*conv3, *bn3, x, Act::ReLU, shortcut);
+    return conv_bn_act(*conv3, *bn3, x, Act::ReLU, std::move(shortcut));
   }
   void zero_init_last() override { torch::nn::init::zeros_(bn3->weight); }
 };
@@ -196,7 +196,7 @@ class ResNetImpl : public ClassifierImpl {
   at::Tensor forward_features(const at::Tensor& in) override {
     auto x = stem(in);
     x = torch::max_pool2d(x, 3, 2, 1);
-    for (auto& s : stages_) x = s->forward(x);
+    for (auto& s : stages_) x = s->forward(std::move(x));  // handed over: a block may sum into it
     return x;
   }
   std::vector<FeatureInfo> feature_info() const override { return feature_info_; }
@@ -211,7 +211,7 @@ class ResNetImpl : public ClassifierImpl {
     if (want(0)) out.push_back(x);
     x = torch::max_pool2d(x, 3, 2, 1);
     for (int64_t i = 0; i < int64_t(stages_.size()) && i + 1 <= last; ++i) {
-      x = stages_[i]->forward(x);
+      x = stages_[i]->forward(std::move(x));
       if (want(i + 1)) out.push_back(x);
     }
     return out;

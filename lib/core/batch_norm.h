@@ -76,8 +76,9 @@ inline void set_inference_fusion(torch::nn::Module& model, bool on) {
 }
 
 // Turns training fusion on or off for every module of `model` that has one (BatchNorm2d with its
-// activation, squeeze-and-excite; train and benchmark --bench train with --fuse-bn). Frozen and
-// synchronised BatchNorms never fuse.
+// activation, squeeze-and-excite; train and benchmark --bench train with --fuse-bn). A frozen
+// BatchNorm is folded into the convolution before it instead (model_zoo's conv_bn_act); synchronised
+// BatchNorms never fuse.
 inline void set_training_fusion(torch::nn::Module& model, bool on) {
   for (auto& m : model.modules(/*include_self=*/true))
     if (auto* f = dynamic_cast<TrainingFusion*>(m.get())) f->fuse_train = on;

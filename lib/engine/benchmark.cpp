@@ -334,6 +334,16 @@ int benchmark_data(const cli::Config& cfg) {
 // batch of synthetic normalised --img-size images (512 unless given; torchvision's references have
 // no benchmark, bench/torchvision_detection.py times the same calls) with 4 random boxes (and
 // masks) per image; train: the loss dict summed, backward and an SGD step (lr 1e-4).
+// inference: BatchNorm folded into the convolutions unless --fuse-bn=false; training: the fused
+// kernels (and frozen BatchNorms folded) only with --fuse-bn. Recorded as <prefix>_fuse_bn.
+void set_fusion(torch::nn::Module& model, const cli::Config& cfg, const Amp& amp, bool train,
+                nlohmann::ordered_json& results) {
+  const bool fuse = cfg.fuse_bn_on(!amp.enabled && !train);
+  set_inference_fusion(model, fuse && !train);
+  set_training_fusion(model, fuse && train);
+  results[train ? "train_fuse_bn" : "infer_fuse_bn"] = fuse;
+}
+
 int benchmark_detection(const cli::Config& cfg, torch::Device device) {
   namespace det = model_zoo::detection;
   if (cfg.nproc_per_node > 0 || std::getenv("WORLD_SIZE"))
@@ -381,7 +391,9 @@ int benchmark_detection(const cli::Config& cfg, torch::Device device) {
     targets.push_back({t.boxes.to(device), t.labels.to(device), masks ? t.masks.to(device) : at::Tensor()});
   }
   batch.tensors = batch.tensors.to(device);
-  log::info("Benchmarking {} in {} precision.", cfg.model, amp.enabled ? "amp" : "float32");
+  if (cfg.channels_last) batch.tensors = batch.tensors.contiguous(at::MemoryFormat::ChannelsLast);
+  log::info("Benchmarking {} in {} precision. {} layout.", cfg.model, amp.enabled ? "amp" : "float32",
+            cfg.channels_last ? "NHWC" : "NCHW");
   nlohmann::ordered_json results;
   results["model"] = cfg.model;
   int64_t params = 0;
@@ -397,7 +409,9 @@ int benchmark_detection(const cli::Config& cfg, torch::Device device) {
     }
     params = model_zoo::count_params(*model);
     model->to(device);
+    if (cfg.channels_last) to_channels_last(*model);
     model->train(train);
+    set_fusion(*model, cfg, amp, train, results);
     auto opt = train ? bench_optimizer(*model, cfg) : nullptr;
     log::info("Running {} benchmark on {} for {} steps w/ input size (3, {}, {}) and batch size {}.",
               train ? "train" : "inference", cfg.model, cfg.num_bench_iter, img, img, b);
@@ -448,8 +462,6 @@ int benchmark(const cli::Config& cfg) {
   bench_slowdown();  // a malformed test hook is refused before anything runs
   if (cfg.bench == "data" || cfg.bench == "data-eval") return benchmark_data(cfg);
   if (model_zoo::model_task(cfg.model) == "detection") {
-    if (cfg.was_given("fuse-bn"))
-      throw UserError("--fuse-bn: applies to classifiers (a detector's backbone uses FrozenBatchNorm); leave it out");
     if (cfg.cuda_graph)
       throw UserError("--cuda-graph: a detector's shapes change with every image (proposals, detections), so its "
                       "step cannot be captured; leave --cuda-graph out");
@@ -501,11 +513,7 @@ int benchmark(const cli::Config& cfg) {
     auto x = torch::randn({b, margs.in_chans, img, img}, torch::TensorOptions().device(device));
     if (cfg.channels_last) x = x.contiguous(at::MemoryFormat::ChannelsLast);
     model->train(train);
-    // inference: folding is on unless --fuse-bn=false; training: the fused kernel only with --fuse-bn
-    const bool fuse = cfg.fuse_bn_on(!amp.enabled && !train);
-    set_inference_fusion(*model, fuse && !train);
-    set_training_fusion(*model, fuse && train);
-    results[train ? "train_fuse_bn" : "infer_fuse_bn"] = fuse;
+    set_fusion(*model, cfg, amp, train, results);
     auto opt = train ? bench_optimizer(*model, cfg) : nullptr;
     const char* what = train ? "train" : "inference";
     log::info("Running {} benchmark on {} for {} steps w/ input size ({}, {}, {}) and batch size {}.", what,

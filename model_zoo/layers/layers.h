@@ -53,9 +53,11 @@ TORCH_MODULE(Conv);
 // bias, residual add and activation run as oneDNN post-ops of the convolution (torch.compile's
 // CPU fusions) with the weights laid out for oneDNN once: one pass over the output instead of
 // three or four, and no weight reorder per call. Results then
-// differ from the unfused path by float rounding only (tests bound it).
+// differ from the unfused path by float rounding only (tests bound it). A residual handed over
+// with std::move, that no other tensor or view shares, is summed into in place there (its memory
+// becomes the output): a block gives its shortcut away this way when nothing reads it after.
 at::Tensor conv_bn_act(torch::nn::Conv2dImpl& conv, imgtrain::BatchNorm2dImpl& bn, const at::Tensor& x,
-                       Act act = Act::Identity, const at::Tensor& residual = {});
+                       Act act = Act::Identity, at::Tensor residual = {});
 
 // Convolution, BatchNorm, activation (timm's ConvBnAct block: modules conv, bn1), with a residual
 // when `skip` is asked and the shapes allow it.

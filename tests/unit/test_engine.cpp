@@ -10,6 +10,7 @@
 #include "engine/evaluate.h"
 #include "engine/train_loop.h"
 #include "io/weights.h"
+#include "model_zoo/layers/layers.h"
 #include "model_zoo/registry.h"
 #include "ops/norm_act.h"
 #include "ops/se_gate.h"
@@ -830,8 +831,20 @@ TEST_CASE("inference fusion: BatchNorm folded into the convolutions equals the m
       torch::NoGradGuard ng;
       const auto ref = m->forward(x);
       const auto ref_s = m->forward(xs);
+      const auto ref_f = m->forward_intermediates(x, {0, 1, 2, 3, 4});
+      const auto x_before = x.clone();
       set_inference_fusion(*m, true);
       const auto y = m->forward(x);
+      // residuals are summed into in place only where nothing else holds them: never the input,
+      // never a feature level that forward_intermediates has collected
+      CHECK(torch::equal(x, x_before));
+      const auto f = m->forward_intermediates(x, {0, 1, 2, 3, 4});
+      REQUIRE(f.size() == ref_f.size());
+      CHECK(f.size() == 5);
+      for (size_t i = 0; i < f.size(); ++i) {
+        INFO("feature " << i);
+        CHECK((f[i] - ref_f[i]).abs().max().item<double>() <= 1e-4 * ref_f[i].abs().max().item<double>());
+      }
       size_t folded = 0;
       for (auto* bn : bns) folded += bn->folded_weight.defined();
       CHECK(folded == bns.size());
@@ -852,6 +865,61 @@ TEST_CASE("inference fusion: BatchNorm folded into the convolutions equals the m
       for (auto* bn : bns) CHECK_FALSE(bn->folded_weight.defined());
     }
   }
+}
+
+TEST_CASE("inference fusion sums a residual in place only when nothing else holds it", "[models]") {
+  torch::manual_seed(4);
+  torch::nn::Conv2d conv(torch::nn::Conv2dOptions(8, 8, 3).padding(1).bias(false));
+  BatchNorm2d bn(8);
+  {
+    torch::NoGradGuard ng;
+    bn->running_mean.uniform_(-0.3, 0.3);
+    bn->running_var.uniform_(0.3, 2.0);
+  }
+  conv->eval();
+  bn->eval();
+  conv->weight.set_data(conv->weight.contiguous(at::MemoryFormat::ChannelsLast));
+  set_inference_fusion(*bn, true);
+  torch::NoGradGuard ng;
+  const auto x = torch::randn({2, 8, 10, 12}).contiguous(at::MemoryFormat::ChannelsLast);
+  const auto r = torch::randn({2, 8, 10, 12}).contiguous(at::MemoryFormat::ChannelsLast);
+  const auto r_before = r.clone();
+  const auto want = torch::relu(bn->forward(conv->forward(x)) + r);
+  for (auto act : {model_zoo::Act::ReLU, model_zoo::Act::Identity}) {
+    INFO("act " << int(act));
+    const auto ref = act == model_zoo::Act::ReLU ? want : bn->forward(conv->forward(x)) + r;
+    // passed, not handed over: not written
+    auto y = model_zoo::conv_bn_act(*conv, *bn, x, act, r);
+    CHECK(torch::equal(r, r_before));
+    CHECK((y - ref).abs().max().item<double>() < 1e-5);
+    // a view of it held elsewhere: not written
+    auto own = r.clone();
+    const auto view = own.narrow(1, 0, 4);
+    const auto view_before = view.clone();
+    y = model_zoo::conv_bn_act(*conv, *bn, x, act, std::move(own));
+    CHECK(torch::equal(view, view_before));
+    // handed over by its only holder: summed into its memory, the same numbers
+    auto sole = r.clone();
+    const void* mem = sole.data_ptr();
+    y = model_zoo::conv_bn_act(*conv, *bn, x, act, std::move(sole));
+    CHECK(y.data_ptr() == mem);
+    CHECK((y - ref).abs().max().item<double>() < 1e-5);
+  }
+  // in a model: a block whose shortcut is the stage's input (resnet18's layer1.0), given an input
+  // the caller keeps
+  ModelArgs a;
+  auto m = model_zoo::create_model("resnet18", a);
+  m->eval();
+  engine::to_channels_last(*m);
+  auto layer1 = m->named_children()["layer1"]->as<torch::nn::SequentialImpl>();
+  REQUIRE(layer1 != nullptr);
+  const auto in = torch::randn({1, 64, 16, 16}).contiguous(at::MemoryFormat::ChannelsLast);
+  const auto in_before = in.clone();
+  const auto ref = layer1->forward(in);
+  set_inference_fusion(*m, true);
+  const auto out = layer1->forward(in);
+  CHECK(torch::equal(in, in_before));
+  CHECK((out - ref).abs().max().item<double>() <= 1e-4 * ref.abs().max().item<double>());
 }
 
 TEST_CASE("inference fusion on does not change training: outputs, gradients and statistics bitwise", "[models]") {
@@ -1163,5 +1231,69 @@ TEST_CASE("training fusion in the zoo: float64 equals torch's modules, float32 i
       }
       CHECK(differs);    // the fused kernel did run
       CHECK(differs64);
+    }
+}
+
+TEST_CASE("training fusion of frozen BatchNorms: folded into the convolutions, equal to the modules", "[models]") {
+  // torchvision's FrozenBatchNorm2d (a detector's body started from weights): with training fusion
+  // on, conv_bn_act folds it into the convolution. float64: equal to the modules to 1e-10 (wiring:
+  // which layers fold, residual, activation, gradients to the weights that train); float32: within
+  // rounding. The stem stays frozen, as with --trainable-backbone-layers 3.
+  auto run = [](const char* name, bool cl, bool fuse, at::ScalarType dtype) {
+    torch::manual_seed(5);
+    ModelArgs a;
+    a.num_classes = 7;
+    auto m = model_zoo::create_model(name, a);
+    {
+      torch::NoGradGuard ng;
+      for (auto& b : m->named_buffers())  // statistics a trained body would have
+        if (b.key().find("running_var") != std::string::npos) b.value().uniform_(0.5, 2.0);
+        else if (b.key().find("running_mean") != std::string::npos) b.value().normal_(0, 0.3);
+      for (auto& p : m->named_parameters())
+        if (p.key().find("bn") != std::string::npos && p.key().find("weight") != std::string::npos) p.value().uniform_(0.5, 1.5);
+    }
+    for (auto& mod : m->modules(false))
+      if (auto* bn = mod->as<imgtrain::BatchNorm2dImpl>()) bn->freeze(1e-5);
+    for (auto& p : m->named_parameters())
+      if (p.key().rfind("conv1", 0) == 0 || p.key().rfind("layer1", 0) == 0) p.value().requires_grad_(false);
+    m->to(dtype);
+    if (cl) engine::to_channels_last(*m);
+    set_training_fusion(*m, fuse);
+    m->train();
+    auto x = torch::randn({2, 3, 64, 64}).to(dtype);
+    if (cl) x = x.contiguous(at::MemoryFormat::ChannelsLast);
+    auto y = m->forward(x);
+    torch::nn::functional::cross_entropy(y, torch::tensor({1, 4})).backward();
+    std::vector<std::pair<std::string, at::Tensor>> out{{"logits", y.detach().to(at::kDouble)}};
+    for (auto& p : m->named_parameters())
+      out.emplace_back("grad " + p.key(), p.value().grad().defined() ? p.value().grad().to(at::kDouble) : at::Tensor());
+    for (auto& b : m->named_buffers()) out.emplace_back(b.key(), b.value().clone());
+    return out;
+  };
+  for (const char* name : {"resnet18", "resnet50d"})
+    for (bool cl : {false, true}) {
+      INFO(name << (cl ? " channels-last" : " NCHW"));
+      const auto ref = run(name, cl, false, at::kDouble), fused64 = run(name, cl, true, at::kDouble);
+      const auto fused = run(name, cl, true, at::kFloat);
+      REQUIRE(ref.size() == fused64.size());
+      int64_t trained = 0;
+      bool differs64 = false;
+      for (size_t i = 0; i < ref.size(); ++i) {
+        INFO(ref[i].first);
+        const auto& want = ref[i].second;
+        REQUIRE(want.defined() == fused64[i].second.defined());  // the same weights train
+        if (!want.defined()) continue;
+        trained += ref[i].first.rfind("grad ", 0) == 0;
+        if (want.scalar_type() == at::kLong) {  // a frozen BatchNorm's counter does not move
+          CHECK(torch::equal(want, fused64[i].second));
+          continue;
+        }
+        differs64 = differs64 || !torch::equal(fused64[i].second, want);
+        const double denom = std::max(want.abs().max().item<double>(), 1e-12);
+        CHECK((fused64[i].second - want).abs().max().item<double>() / denom < 1e-10);
+        CHECK((fused[i].second.to(at::kDouble) - want).abs().max().item<double>() / denom < 2e-3);
+      }
+      CHECK(trained > 10);
+      CHECK(differs64);  // the folded path did run
     }
 }
