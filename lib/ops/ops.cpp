@@ -325,6 +325,8 @@ struct MultiLevelRoiAlignFn : public torch::autograd::Function<MultiLevelRoiAlig
     for (size_t l = 0; l < feats.size(); ++l) {
       const auto idx = at::where(levels.eq(int64_t(l)))[0];
       if (idx.numel() == 0) continue;
+      if (idx.numel() == rois.size(0))  // every RoI on this level (e.g. MobileNetV3's FPN): no gather
+        return roi_align_forward(feats[l], rois, {scales[l], ph, pw, sampling, aligned});
       out.index_copy_(0, idx,
                       roi_align_forward(feats[l], rois.index_select(0, idx), {scales[l], ph, pw, sampling, aligned}));
     }
@@ -346,7 +348,9 @@ struct MultiLevelRoiAlignFn : public torch::autograd::Function<MultiLevelRoiAlig
         continue;
       }
       const auto shape = ctx->saved_data["shape" + std::to_string(l)].toIntVector();
-      out.push_back(roi_align_backward(grads[0].index_select(0, idx), rois.index_select(0, idx), shape,
+      const bool all = idx.numel() == rois.size(0);
+      out.push_back(roi_align_backward(all ? grads[0] : grads[0].index_select(0, idx),
+                                       all ? rois : rois.index_select(0, idx), shape,
                                        {scales[l], ph, pw, sampling, aligned}, grads[0].device()));
     }
     for (int i = 0; i < 7; ++i) out.emplace_back();  // rois, levels, scales, ph, pw, sampling, aligned

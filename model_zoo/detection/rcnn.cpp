@@ -8,6 +8,7 @@
 #include "core/log.h"
 #include "io/safetensors.h"
 #include "io/weights.h"
+#include "model_zoo/layers/layers.h"
 #include "model_zoo/registry.h"
 #include "ops/ops.h"
 
@@ -111,11 +112,12 @@ struct MbConvImpl : torch::nn::Module {
         "0", Conv2d(Conv2dOptions(in, out, k).stride(stride).padding((k - 1) / 2).groups(groups).bias(false)));
     bn = register_module("1", imgtrain::BatchNorm2d(out));
   }
+  // through the zoo's conv_bn_act, so that the BatchNorm folding and fusions apply here too
   at::Tensor forward(const at::Tensor& x) {
-    auto y = bn(conv(x));
-    if (act == Act::ReLU) return y.relu_();
-    if (act == Act::HardSwish) return at::hardswish(y);
-    return y;
+    const auto a = act == Act::ReLU        ? model_zoo::Act::ReLU
+                   : act == Act::HardSwish ? model_zoo::Act::HardSwish
+                                           : model_zoo::Act::Identity;
+    return model_zoo::conv_bn_act(*conv, *bn, x, a);
   }
 };
 TORCH_MODULE(MbConv);

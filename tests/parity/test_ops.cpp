@@ -122,6 +122,15 @@ TEST_CASE("multiscale_roi_align equals roi_align level by level, forward and gra
   std::vector<at::Tensor> back;
   for (auto& f : bf) back.push_back(f.to(torch::kFloat));
   CHECK(torch::equal(yb, ops::multiscale_roi_align(back, rois, levels, scales, 5, 4, 2, false).to(torch::kBFloat16)));
+  {  // every RoI on one level: the same numbers as roi_align on it, gradients included
+    const auto one = torch::full({K}, 1, torch::kLong);
+    auto y1 = ops::multiscale_roi_align(feats, rois, one, scales, 5, 4, 2, false);
+    auto r1 = ops::roi_align(feats[1], rois, scales[1], 5, 4, 2, false);
+    CHECK(torch::equal(y1, r1));
+    const auto gy = torch::randn_like(y1);
+    auto g = torch::autograd::grad({y1}, {feats[1]}, {gy})[0], gr = torch::autograd::grad({r1}, {feats[1]}, {gy})[0];
+    CHECK(torch::equal(g, gr));
+  }
   CHECK_THROWS(ops::multiscale_roi_align(feats, rois, levels.slice(0, 1), scales, 5, 4, 2, false));
   CHECK_THROWS(ops::multiscale_roi_align(feats, rois, levels, {0.25}, 5, 4, 2, false));
 }
