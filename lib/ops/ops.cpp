@@ -127,9 +127,26 @@ RoiGeom<T> roi_geom(const T* r, double scale, int64_t ph, int64_t pw, int64_t sa
   return g;
 }
 
+// A RoI's bilinear taps, the same for every channel: computed once per RoI, in (bin, sample) order.
+template <typename T>
+void roi_taps(const RoiGeom<T>& g, int64_t H, int64_t W, int64_t ph, int64_t pw, std::vector<Taps<T>>& taps,
+              std::vector<uint8_t>& inside) {
+  taps.resize(size_t(ph * pw * g.grid_h * g.grid_w));
+  inside.assign(taps.size(), 0);
+  size_t t = 0;
+  for (int64_t i = 0; i < ph; ++i)
+    for (int64_t j = 0; j < pw; ++j)
+      for (int64_t iy = 0; iy < g.grid_h; ++iy) {
+        const T yy = g.sample_y(i, iy);
+        for (int64_t ix = 0; ix < g.grid_w; ++ix, ++t) inside[t] = bilinear_taps(H, W, yy, g.sample_x(j, ix), taps[t]);
+      }
+}
+
+// Forward, NCHW (nhwc = false) or channels-last input and output (nhwc = true): one RoI per task.
+// Each output element is the same sum in the same order in both layouts, so they agree bitwise.
 template <typename T>
 void roi_align_forward_cpu(const at::Tensor& in, const at::Tensor& rois, double scale, int64_t ph, int64_t pw,
-                           int64_t sampling, bool aligned, at::Tensor& out) {
+                           int64_t sampling, bool aligned, bool nhwc, at::Tensor& out) {
   const int64_t C = in.size(1), H = in.size(2), W = in.size(3), K = rois.size(0);
   const T* x = in.data_ptr<T>();
   const T* r = rois.data_ptr<T>();
@@ -137,19 +154,28 @@ void roi_align_forward_cpu(const at::Tensor& in, const at::Tensor& rois, double 
   at::parallel_for(0, K, 1, [&](int64_t k0, int64_t k1) {
     std::vector<Taps<T>> taps;
     std::vector<uint8_t> inside;
+    std::vector<T> acc(size_t(nhwc ? C : 0));
     for (int64_t k = k0; k < k1; ++k) {
       const auto g = roi_geom(r + k * 5, scale, ph, pw, sampling, aligned);
-      // the taps are the same for every channel: computed once per RoI
       const int64_t per_bin = g.grid_h * g.grid_w;
-      taps.resize(size_t(ph * pw * per_bin));
-      inside.assign(taps.size(), 0);
-      size_t t = 0;
-      for (int64_t i = 0; i < ph; ++i)
-        for (int64_t j = 0; j < pw; ++j)
-          for (int64_t iy = 0; iy < g.grid_h; ++iy) {
-            const T yy = g.sample_y(i, iy);
-            for (int64_t ix = 0; ix < g.grid_w; ++ix, ++t) inside[t] = bilinear_taps(H, W, yy, g.sample_x(j, ix), taps[t]);
+      roi_taps(g, H, W, ph, pw, taps, inside);
+      if (nhwc) {  // a tap reads C consecutive values: the channel loop is the inner one
+        const T* img = x + g.batch * H * W * C;
+        size_t t2 = 0;
+        for (int64_t b = 0; b < ph * pw; ++b) {
+          std::fill(acc.begin(), acc.end(), T(0));
+          for (int64_t s = 0; s < per_bin; ++s, ++t2) {
+            if (!inside[t2]) continue;
+            const auto& q = taps[t2];
+            const T *p1 = img + (q.yl * W + q.xl) * C, *p2 = img + (q.yl * W + q.xh) * C;
+            const T *p3 = img + (q.yh * W + q.xl) * C, *p4 = img + (q.yh * W + q.xh) * C;
+            for (int64_t c = 0; c < C; ++c) acc[size_t(c)] += q.w1 * p1[c] + q.w2 * p2[c] + q.w3 * p3[c] + q.w4 * p4[c];
           }
+          T* o = y + (k * ph * pw + b) * C;
+          for (int64_t c = 0; c < C; ++c) o[c] = acc[size_t(c)] / g.count;
+        }
+        continue;
+      }
       for (int64_t c = 0; c < C; ++c) {
         const T* plane = x + (g.batch * C + c) * H * W;
         T* o = y + (k * C + c) * ph * pw;
@@ -169,31 +195,44 @@ void roi_align_forward_cpu(const at::Tensor& in, const at::Tensor& rois, double 
   });
 }
 
+// Backward, either layout. Channels are independent: each thread owns whole channels, so every
+// element's gradient is summed in the same (RoI, bin, sample) order whatever the thread count
+// and layout.
 template <typename T>
 void roi_align_backward_cpu(const at::Tensor& grad, const at::Tensor& rois, double scale, int64_t ph, int64_t pw,
-                            int64_t sampling, bool aligned, at::Tensor& gin) {
+                            int64_t sampling, bool aligned, bool nhwc, at::Tensor& gin) {
   const int64_t C = gin.size(1), H = gin.size(2), W = gin.size(3), K = rois.size(0);
   const T* go = grad.data_ptr<T>();
   const T* r = rois.data_ptr<T>();
   T* gi = gin.data_ptr<T>();
-  // Channels are independent: each thread owns whole channels, so every element's gradient is
-  // summed in the same (RoI, bin, sample) order whatever the thread count. A RoI's bilinear taps are
-  // the same for every channel: computed once per RoI (per thread), as in the forward.
   at::parallel_for(0, C, 1, [&](int64_t c0, int64_t c1) {
     std::vector<Taps<T>> taps;
     std::vector<uint8_t> inside;
     for (int64_t k = 0; k < K; ++k) {
       const auto g = roi_geom(r + k * 5, scale, ph, pw, sampling, aligned);
       const int64_t per_bin = g.grid_h * g.grid_w;
-      taps.resize(size_t(ph * pw * per_bin));
-      inside.assign(taps.size(), 0);
-      size_t t = 0;
-      for (int64_t i = 0; i < ph; ++i)
-        for (int64_t j = 0; j < pw; ++j)
-          for (int64_t iy = 0; iy < g.grid_h; ++iy) {
-            const T yy = g.sample_y(i, iy);
-            for (int64_t ix = 0; ix < g.grid_w; ++ix, ++t) inside[t] = bilinear_taps(H, W, yy, g.sample_x(j, ix), taps[t]);
+      roi_taps(g, H, W, ph, pw, taps, inside);
+      if (nhwc) {
+        T* img = gi + g.batch * H * W * C;
+        size_t t2 = 0;
+        for (int64_t b = 0; b < ph * pw; ++b) {
+          const T* o = go + (k * ph * pw + b) * C;
+          for (int64_t s = 0; s < per_bin; ++s, ++t2) {
+            if (!inside[t2]) continue;
+            const auto& q = taps[t2];
+            T *p1 = img + (q.yl * W + q.xl) * C, *p2 = img + (q.yl * W + q.xh) * C;
+            T *p3 = img + (q.yh * W + q.xl) * C, *p4 = img + (q.yh * W + q.xh) * C;
+            for (int64_t c = c0; c < c1; ++c) {
+              const T gbin = o[c];
+              p1[c] += gbin * q.w1 / g.count;
+              p2[c] += gbin * q.w2 / g.count;
+              p3[c] += gbin * q.w3 / g.count;
+              p4[c] += gbin * q.w4 / g.count;
+            }
           }
+        }
+        continue;
+      }
       for (int64_t c = c0; c < c1; ++c) {
         T* plane = gi + (g.batch * C + c) * H * W;
         const T* o = go + (k * C + c) * ph * pw;
@@ -226,6 +265,11 @@ struct RoiAlignArgs {
   bool aligned;
 };
 
+// A 4-d map laid out channels-last (and not also NCHW-contiguous, as 1x1 maps or one channel are).
+bool channels_last(const at::Tensor& t) {
+  return t.dim() == 4 && t.is_contiguous(at::MemoryFormat::ChannelsLast) && !t.is_contiguous();
+}
+
 at::Tensor roi_align_forward(const at::Tensor& input, const at::Tensor& rois, const RoiAlignArgs& a) {
 #ifdef IMGTRAIN_WITH_CUDA
   if (device_kernel_for(input)) {
@@ -243,18 +287,23 @@ at::Tensor roi_align_forward(const at::Tensor& input, const at::Tensor& rois, co
     return out;
   }
 #endif
-  auto x = host(input).contiguous();
+  // channels-last maps are read as they are and give a channels-last result (no copy to NCHW)
+  const bool nhwc = channels_last(input);
+  auto x = host(input).contiguous(nhwc ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous);
   auto r = host(rois).to(x.scalar_type()).contiguous();
-  auto out = at::zeros({r.size(0), x.size(1), a.ph, a.pw}, x.options());
+  // every element is written by the kernel: no zero fill
+  auto out = at::empty({r.size(0), x.size(1), a.ph, a.pw}, x.options(),
+                       nhwc ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous);
   if (r.size(0) && x.numel())
     AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "roi_align_forward", [&] {
-      roi_align_forward_cpu<scalar_t>(x, r, a.scale, a.ph, a.pw, a.sampling, a.aligned, out);
+      roi_align_forward_cpu<scalar_t>(x, r, a.scale, a.ph, a.pw, a.sampling, a.aligned, nhwc, out);
     });
   return out.to(input.device());
 }
 
+// The input gradient, channels-last where the forward's input was (nhwc; host kernels only).
 at::Tensor roi_align_backward(const at::Tensor& grad, const at::Tensor& rois, at::IntArrayRef in_shape,
-                              const RoiAlignArgs& a, const at::Device& dev) {
+                              const RoiAlignArgs& a, const at::Device& dev, bool nhwc) {
 #ifdef IMGTRAIN_WITH_CUDA
   if (device_kernel_for(grad, /*order_matters=*/true)) {
     c10::cuda::CUDAGuard guard(grad.device());
@@ -271,12 +320,13 @@ at::Tensor roi_align_backward(const at::Tensor& grad, const at::Tensor& rois, at
     return gin;
   }
 #endif
-  auto g = host(grad).contiguous();
+  const auto format = nhwc ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
+  auto g = host(grad).contiguous(format);
   auto r = host(rois).to(g.scalar_type()).contiguous();
-  auto gin = at::zeros(in_shape, g.options());
+  auto gin = at::empty(in_shape, g.options(), format).zero_();
   if (r.size(0) && gin.numel())
     AT_DISPATCH_FLOATING_TYPES(g.scalar_type(), "roi_align_backward", [&] {
-      roi_align_backward_cpu<scalar_t>(g, r, a.scale, a.ph, a.pw, a.sampling, a.aligned, gin);
+      roi_align_backward_cpu<scalar_t>(g, r, a.scale, a.ph, a.pw, a.sampling, a.aligned, nhwc, gin);
     });
   return gin.to(dev);
 }
@@ -290,6 +340,7 @@ struct RoiAlignFn : public torch::autograd::Function<RoiAlignFn> {
     ctx->saved_data["sampling"] = sampling;
     ctx->saved_data["aligned"] = aligned;
     ctx->saved_data["shape"] = input.sizes().vec();
+    ctx->saved_data["nhwc"] = channels_last(input);
     ctx->save_for_backward({rois});
     at::AutoDispatchBelowADInplaceOrView guard;
     return roi_align_forward(input, rois, {scale, ph, pw, sampling, aligned});
@@ -301,7 +352,7 @@ struct RoiAlignFn : public torch::autograd::Function<RoiAlignFn> {
                          ctx->saved_data["pw"].toInt(), ctx->saved_data["sampling"].toInt(),
                          ctx->saved_data["aligned"].toBool()};
     const auto shape = ctx->saved_data["shape"].toIntVector();
-    auto gin = roi_align_backward(grads[0], rois, shape, a, grads[0].device());
+    auto gin = roi_align_backward(grads[0], rois, shape, a, grads[0].device(), ctx->saved_data["nhwc"].toBool());
     return {gin, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
@@ -318,10 +369,15 @@ struct MultiLevelRoiAlignFn : public torch::autograd::Function<MultiLevelRoiAlig
     ctx->saved_data["pw"] = pw;
     ctx->saved_data["sampling"] = sampling;
     ctx->saved_data["aligned"] = aligned;
-    for (size_t l = 0; l < feats.size(); ++l) ctx->saved_data["shape" + std::to_string(l)] = feats[l].sizes().vec();
+    for (size_t l = 0; l < feats.size(); ++l) {
+      ctx->saved_data["shape" + std::to_string(l)] = feats[l].sizes().vec();
+      ctx->saved_data["nhwc" + std::to_string(l)] = channels_last(feats[l]);
+    }
     ctx->save_for_backward({rois, levels});
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto out = at::zeros({rois.size(0), feats[0].size(1), ph, pw}, feats[0].options());
+    // every row is written by one level (each RoI has one)
+    auto out = at::empty({rois.size(0), feats[0].size(1), ph, pw}, feats[0].options(),
+                         channels_last(feats[0]) ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous);
     for (size_t l = 0; l < feats.size(); ++l) {
       const auto idx = at::where(levels.eq(int64_t(l)))[0];
       if (idx.numel() == 0) continue;
@@ -351,7 +407,8 @@ struct MultiLevelRoiAlignFn : public torch::autograd::Function<MultiLevelRoiAlig
       const bool all = idx.numel() == rois.size(0);
       out.push_back(roi_align_backward(all ? grads[0] : grads[0].index_select(0, idx),
                                        all ? rois : rois.index_select(0, idx), shape,
-                                       {scales[l], ph, pw, sampling, aligned}, grads[0].device()));
+                                       {scales[l], ph, pw, sampling, aligned}, grads[0].device(),
+                                       ctx->saved_data["nhwc" + std::to_string(l)].toBool()));
     }
     for (int i = 0; i < 7; ++i) out.emplace_back();  // rois, levels, scales, ph, pw, sampling, aligned
     return out;
@@ -485,6 +542,8 @@ at::Tensor multiscale_roi_align(at::TensorList feats, const at::Tensor& rois, co
   if (levels.dim() != 1 || levels.size(0) != rois.size(0))
     throw std::invalid_argument("multiscale_roi_align: levels must be [K], one per RoI");
   const auto lv = levels.to(at::kLong);
+  if (lv.numel() && (lv.min().item<int64_t>() < 0 || lv.max().item<int64_t>() >= int64_t(feats.size())))
+    throw std::invalid_argument("multiscale_roi_align: a level is outside the feature maps given");
   const auto type = feats[0].scalar_type();
   if (type == at::kFloat || type == at::kDouble)
     return MultiLevelRoiAlignFn::apply(feats, rois, lv, scales, pooled_h, pooled_w, sampling_ratio, aligned);

@@ -67,6 +67,16 @@ TEST_CASE("roi_align forward and input gradient equal torchvision's", "[parity][
     const auto want = get(p + "gx");
     CHECK(torch::allclose(gx, want, 1e-6, 1e-6));
     CHECK(torch::equal(gx, want));
+    // channels-last maps: read in place, a channels-last result and gradient, the same bits
+    auto xc = get(p + "x").contiguous(at::MemoryFormat::ChannelsLast).requires_grad_();
+    auto yc = ops::roi_align(xc, get(p + "rois"), scale, ph, pw, sampling, aligned);
+    CHECK(torch::equal(yc, get(p + "y")));
+    auto gxc = torch::autograd::grad({yc}, {xc}, {get(p + "gy")})[0];
+    CHECK(torch::equal(gxc, want));
+    if (xc.size(1) > 1 && xc.size(2) * xc.size(3) > 1) {
+      CHECK(yc.is_contiguous(at::MemoryFormat::ChannelsLast));
+      CHECK(gxc.is_contiguous(at::MemoryFormat::ChannelsLast));
+    }
   }
   CHECK(cases == 36);
   // half precision (autocast's output) runs in float32 and comes back as half
@@ -114,6 +124,21 @@ TEST_CASE("multiscale_roi_align equals roi_align level by level, forward and gra
         CHECK(torch::equal(got[l], ref[l]));
       }
     }
+  {  // channels-last maps: the same values and gradients, channels-last ones
+    std::vector<at::Tensor> cl;
+    for (auto& f : feats) cl.push_back(f.detach().contiguous(at::MemoryFormat::ChannelsLast).requires_grad_());
+    auto yc = ops::multiscale_roi_align(cl, rois, levels, scales, 5, 4, 2, false);
+    auto yn = ops::multiscale_roi_align(feats, rois, levels, scales, 5, 4, 2, false);
+    CHECK(torch::equal(yc, yn));
+    CHECK(yc.is_contiguous(at::MemoryFormat::ChannelsLast));
+    const auto gy = torch::randn_like(yn);
+    auto gc = torch::autograd::grad({yc}, cl, {gy}, {}, false, true);
+    auto gn = torch::autograd::grad({yn}, feats, {gy}, {}, false, true);
+    for (size_t l : {0, 1, 3}) {
+      CHECK(torch::equal(gc[l], gn[l]));
+      CHECK(gc[l].is_contiguous(at::MemoryFormat::ChannelsLast));
+    }
+  }
   // bfloat16 maps (autocast) run in float32 and come back in bfloat16
   std::vector<at::Tensor> bf;
   for (auto& f : feats) bf.push_back(f.detach().to(torch::kBFloat16));
@@ -133,6 +158,8 @@ TEST_CASE("multiscale_roi_align equals roi_align level by level, forward and gra
   }
   CHECK_THROWS(ops::multiscale_roi_align(feats, rois, levels.slice(0, 1), scales, 5, 4, 2, false));
   CHECK_THROWS(ops::multiscale_roi_align(feats, rois, levels, {0.25}, 5, 4, 2, false));
+  CHECK_THROWS(ops::multiscale_roi_align(feats, rois, levels + 1, scales, 5, 4, 2, false));
+  CHECK_THROWS(ops::multiscale_roi_align(feats, rois, levels - 1, scales, 5, 4, 2, false));
 }
 
 // The device kernels (ops_cuda.cu) against the same references: torchvision's CPU results, which
