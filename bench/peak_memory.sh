@@ -3,6 +3,7 @@
 # torch: the maximum RSS that /usr/bin/time reports for each whole process (the Python side
 # includes the interpreter and its imports), alternating runs, medians and the ratio.
 #   bench/peak_memory.sh [RUNS] -- <benchmark flags, e.g. --model resnet50 --bench train -b 16 --img-size 160>
+# IMGTRAIN_EXTRA="--fuse-bn ..." adds flags to imgtrain's command only.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 runs=${1:-3}; shift || true
@@ -10,7 +11,8 @@ runs=${1:-3}; shift || true
 rss() { /usr/bin/time -v "$@" 2>&1 >/dev/null | awk -F': ' '/Maximum resident set size/ {print $2}'; }
 declare -a ours ref
 for ((r = 0; r < runs; r++)); do
-  ours+=("$(rss "$here/build/bin/imgtrain" benchmark --device cpu "$@")")
+  # shellcheck disable=SC2086  # IMGTRAIN_EXTRA: flags for imgtrain only, as in compare_benchmark.sh
+  ours+=("$(rss "$here/build/bin/imgtrain" benchmark --device cpu "$@" ${IMGTRAIN_EXTRA:-})")
   ref_script=$here/bench/timm_benchmark.py
   [[ " $* " == *rcnn* ]] && ref_script=$here/bench/torchvision_detection.py  # a detector: torchvision's
   ref+=("$(rss "$here/.venv/bin/python" "$ref_script" "$@")")
