@@ -135,7 +135,9 @@ TEST_CASE("detection: 2 processes x 1 image equal 1 process x 2 images (grouped 
       " --min-size 96 --max-size 160 --hflip 0 --rpn-batch-size-per-image 1000000 --box-batch-size-per-image 1000000"
       " --rpn-post-nms-top-n-train 200 --rpn-pre-nms-top-n-test 200 --rpn-post-nms-top-n-test 200 --lr 0.01"
       " --warmup-epochs 0 --opt momentum --weight-decay 1e-4 --max-iter 1 --device cpu -j 1 --output " + d.path.string();
-  auto two = test::run(kBin + common + " -b 1 --nproc-per-node 2 --experiment two");
+  // one thread per worker whatever the caller's environment says (the launcher, as torchrun, keeps
+  // an OMP_NUM_THREADS that is set)
+  auto two = test::run("OMP_NUM_THREADS=1 " + kBin + common + " -b 1 --nproc-per-node 2 --experiment two");
   INFO(two.output);
   REQUIRE(two.code == 0);
   CHECK_THAT(two.output, Catch::Contains("Process 0, total 2"));
