@@ -30,7 +30,7 @@ const std::vector<ConvNeXtSpec>& specs() {
 using torch::nn::Linear;
 
 // 7x7 depthwise conv, LayerNorm and the MLP over channels (NHWC), layer scale `gamma`, residual.
-struct ConvNeXtBlockImpl : torch::nn::Module {
+struct ConvNeXtBlockImpl : torch::nn::Module, InferenceFusion {
   torch::nn::Conv2d conv_dw{nullptr};
   torch::nn::LayerNorm norm{nullptr};
   std::shared_ptr<torch::nn::Module> mlp;
@@ -48,6 +48,10 @@ struct ConvNeXtBlockImpl : torch::nn::Module {
   }
   at::Tensor forward(const at::Tensor& in) {
     auto x = conv_dw(in).permute({0, 2, 3, 1});
+    if (fuse_infer && !is_training() && linear_fusable(x)) {  // eval: GELU as fc1's post-op, gamma in fc2
+      auto h = linear_act(norm(x), fc1->weight, fc1->bias, Act::GELU);
+      return at::linear(h, fc2->weight * gamma.unsqueeze(1), fc2->bias * gamma).permute({0, 3, 1, 2}) + in;
+    }
     x = fc2(torch::gelu(fc1(norm(x)))).permute({0, 3, 1, 2});
     x = x.mul(gamma.reshape({1, -1, 1, 1}));
     return drop_path(x, dpr, is_training()) + in;

@@ -41,12 +41,13 @@ struct AttentionImpl : torch::nn::Module {
     qkv = register_module("qkv", Linear(dim, dim * 3));
     proj = register_module("proj", Linear(dim, dim));
   }
-  at::Tensor forward(const at::Tensor& x) {
+  // residual defined (inference fusion): proj(o) + residual as one oneDNN call
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& residual = {}) {
     const int64_t b = x.size(0), n = x.size(1), c = x.size(2);
     auto qkv_ = qkv(x).reshape({b, n, 3, heads, c / heads}).permute({2, 0, 3, 1, 4});
     auto q = qkv_[0], k = qkv_[1], v = qkv_[2];
-    auto o = at::scaled_dot_product_attention(q, k, v);
-    return proj(o.transpose(1, 2).reshape({b, n, c}));
+    auto o = at::scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape({b, n, c});
+    return residual.defined() ? linear_add(o, proj->weight, proj->bias, residual) : proj(o);
   }
 };
 TORCH_MODULE(Attention);
@@ -58,10 +59,14 @@ struct MlpImpl : torch::nn::Module {
     fc2 = register_module("fc2", Linear(hidden, dim));
   }
   at::Tensor forward(const at::Tensor& x) { return fc2(torch::gelu(fc1(x))); }
+  // inference fusion: fc2(gelu(fc1(x))) + residual in two oneDNN calls (GELU and the add as post-ops)
+  at::Tensor forward_fused(const at::Tensor& x, const at::Tensor& residual) {
+    return linear_add(linear_act(x, fc1->weight, fc1->bias, Act::GELU), fc2->weight, fc2->bias, residual);
+  }
 };
 TORCH_MODULE(Mlp);
 
-struct BlockImpl : torch::nn::Module {
+struct BlockImpl : torch::nn::Module, InferenceFusion {
   LayerNorm norm1{nullptr}, norm2{nullptr};
   Attention attn{nullptr};
   Mlp mlp{nullptr};
@@ -73,6 +78,10 @@ struct BlockImpl : torch::nn::Module {
     mlp = register_module("mlp", Mlp(dim, dim * 4));
   }
   at::Tensor forward(at::Tensor x) {
+    if (fuse_infer && !is_training() && linear_fusable(x)) {  // eval: no drop path
+      x = attn->forward(norm1(x), x);
+      return mlp->forward_fused(norm2(x), x);
+    }
     x = x + drop_path(attn(norm1(x)), dpr, is_training());
     return x + drop_path(mlp(norm2(x)), dpr, is_training());
   }

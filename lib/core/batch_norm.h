@@ -25,6 +25,13 @@ struct TrainingFusion {
   bool fuse_train = false;
 };
 
+// A module with a fused inference path (oneDNN post-ops in place of separate ops), switched on and
+// off for a whole model by set_inference_fusion; used only in eval mode without autograd.
+struct InferenceFusion {
+  virtual ~InferenceFusion() = default;
+  bool fuse_infer = false;
+};
+
 class BatchNorm2dImpl : public torch::nn::BatchNorm2dImpl, public TrainingFusion {
  public:
   explicit BatchNorm2dImpl(int64_t num_features) : torch::nn::BatchNorm2dImpl(torch::nn::BatchNormOptions(num_features)) {}
@@ -67,12 +74,14 @@ TORCH_MODULE(BatchNorm2d);
 // (validate --fuse-bn, benchmark's inference). Training-mode forwards and forwards that record
 // autograd never fuse, so a model can be trained after this without effect on the gradients.
 inline void set_inference_fusion(torch::nn::Module& model, bool on) {
-  for (auto& m : model.modules(/*include_self=*/true))
+  for (auto& m : model.modules(/*include_self=*/true)) {
     if (auto* bn = dynamic_cast<BatchNorm2dImpl*>(m.get())) {
       bn->fuse_inference = on;
       bn->folded_weight = at::Tensor();
       bn->folded_bias = at::Tensor();
     }
+    if (auto* f = dynamic_cast<InferenceFusion*>(m.get())) f->fuse_infer = on;
+  }
 }
 
 // Turns training fusion on or off for every module of `model` that has one (BatchNorm2d with its

@@ -285,6 +285,38 @@ at::Tensor conv_bn_act(torch::nn::Conv2dImpl& conv, imgtrain::BatchNorm2dImpl& b
   return act_fused ? y : apply_act(y, act, true);
 }
 
+namespace {
+const std::optional<c10::OperatorHandle>& linear_op(bool binary) {
+  static const auto unary = c10::Dispatcher::singleton().findSchema({"mkldnn::_linear_pointwise", ""});
+  static const auto bin = c10::Dispatcher::singleton().findSchema({"mkldnn::_linear_pointwise", "binary"});
+  return binary ? bin : unary;
+}
+}  // namespace
+
+bool linear_fusable(const at::Tensor& x) {
+  return !c10::GradMode::is_enabled() && x.scalar_type() == at::kFloat && x.device().is_cpu() &&
+         !at::autocast::is_autocast_enabled(at::kCPU) && linear_op(false) && linear_op(true);
+}
+
+at::Tensor linear_act(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, Act act) {
+  const auto post = post_op(act);
+  if (!post || !linear_fusable(x) || act == Act::HardSwish || act == Act::ReLU6)  // oneDNN linear: not these
+    return apply_act(at::linear(x, w, b), act, true);
+  c10::List<std::optional<at::Scalar>> scalars;
+  for (double v : post->scalars) scalars.push_back(at::Scalar(v));
+  torch::jit::Stack st{x.contiguous(), w, b, post->attr, scalars,
+                       post->algorithm.empty() ? c10::IValue() : c10::IValue(post->algorithm)};
+  linear_op(false)->callBoxed(&st);
+  return st[0].toTensor();
+}
+
+at::Tensor linear_add(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const at::Tensor& residual) {
+  if (!linear_fusable(x) || residual.scalar_type() != at::kFloat) return at::linear(x, w, b) + residual;
+  torch::jit::Stack st{x.contiguous(), residual.contiguous(), w, b, std::string("add")};
+  linear_op(true)->callBoxed(&st);
+  return st[0].toTensor();
+}
+
 ConvBnActImpl::ConvBnActImpl(int64_t in, int64_t out, int64_t k, int64_t stride, Act act_, const std::string& pad_type,
                              double bn_eps, bool skip, double drop_path_rate)
     : act(act_), has_skip(skip && stride == 1 && in == out), dpr(drop_path_rate) {

@@ -59,6 +59,14 @@ TORCH_MODULE(Conv);
 at::Tensor conv_bn_act(torch::nn::Conv2dImpl& conv, imgtrain::BatchNorm2dImpl& bn, const at::Tensor& x,
                        Act act = Act::Identity, at::Tensor residual = {});
 
+// Inference fusion of a Linear (set_inference_fusion, eval mode, no autograd): whether it applies to
+// `x` (float32 on the CPU outside autocast, with oneDNN's linear ops present), then
+// act(x W^T + b) and x W^T + b + residual as one oneDNN call each (mkldnn::_linear_pointwise, the
+// ops torch.compile's CPU backend emits). Outside those conditions both run the ATen ops.
+bool linear_fusable(const at::Tensor& x);
+at::Tensor linear_act(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, Act act);
+at::Tensor linear_add(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const at::Tensor& residual);
+
 // Convolution, BatchNorm, activation (timm's ConvBnAct block: modules conv, bn1), with a residual
 // when `skip` is asked and the shapes allow it.
 struct ConvBnActImpl : torch::nn::Module {

@@ -867,6 +867,40 @@ TEST_CASE("inference fusion: BatchNorm folded into the convolutions equals the m
   }
 }
 
+TEST_CASE("inference fusion of ViT and ConvNeXt: GELU and residual adds as linear post-ops, equal within rounding",
+          "[models]") {
+  for (const char* name : {"vit_tiny_patch16_224", "convnext_tiny"}) {
+    INFO(name);
+    torch::manual_seed(0);
+    ModelArgs a;
+    a.num_classes = 10;
+    a.img_size = 64;
+    auto m = model_zoo::create_model(name, a);
+    {
+      torch::NoGradGuard ng;  // a layer scale far from its 1e-6 init, so that a wrong fold shows
+      for (auto& p : m->named_parameters())
+        if (p.key().find("gamma") != std::string::npos) p.value().uniform_(0.5, 1.5);
+    }
+    m->eval();
+    auto x = torch::randn({2, 3, 64, 64});
+    torch::NoGradGuard ng;
+    const auto ref = m->forward(x);
+    set_inference_fusion(*m, true);
+    at::Tensor y;
+    const auto names = ops_called([&] { y = m->forward(x); });
+    const double scale = ref.abs().max().item<double>();
+    CHECK((y - ref).abs().max().item<double>() <= 1e-4 * scale);
+    CHECK(names.count("mkldnn::_linear_pointwise"));  // the fused ops did run (their results may
+    // equal ATen's to the bit: oneDNN's float32 GEMM and GELU can be the same arithmetic)
+    {  // a forward that records autograd never fuses
+      torch::AutoGradMode on(true);
+      CHECK(torch::equal(m->forward(x), ref));
+    }
+    set_inference_fusion(*m, false);
+    CHECK(torch::equal(m->forward(x), ref));
+  }
+}
+
 TEST_CASE("inference fusion sums a residual in place only when nothing else holds it", "[models]") {
   torch::manual_seed(4);
   torch::nn::Conv2d conv(torch::nn::Conv2dOptions(8, 8, 3).padding(1).bias(false));
