@@ -70,6 +70,7 @@ TEST_CASE("trains far above chance, validates, resumes at the next epoch, loads 
   CHECK(std::stod(m[1]) == Approx(top1).margin(1e-3));
   auto vr = test::run(kBin + " validate --checkpoint " + run + "/last.safetensors --data-dir " + data +
                       " --device cpu -b 100 --results-file " + (out / "val.csv"));
+  INFO(vr.output);
   REQUIRE(vr.code == 0);
   auto vrows = test::read_csv(out / "val.csv");
   REQUIRE(vrows.size() == 2);
@@ -335,6 +336,7 @@ TEST_CASE("user errors give one clear line and exit code 2", "[integration]") {
                     "--eval-metric 'top3': expected one of loss, top1, top5");
   // Help lists long aliases (timm's --accumulation-steps spelling).
   auto help = test::run(kBin + " train --help");
+  INFO(help.output);
   CHECK(help.code == 0);
   CHECK_THAT(help.output, Catch::Contains("alias: --accumulation-steps") && Catch::Contains("alias: -vb") &&
                               Catch::Contains("O2 = half weights"));
@@ -525,6 +527,7 @@ TEST_CASE("each family trains, exports, and timm reproduces the outputs from the
     REQUIRE(r.code == 0);
     auto ex = test::run(kBin + " export --checkpoint " + (out / "f/last.safetensors") + " --out " +
                         (out / "model.safetensors"));
+    INFO(ex.output);
     REQUIRE(ex.code == 0);
     ModelArgs a;
     a.num_classes = 10;
@@ -585,6 +588,7 @@ TEST_CASE("resume is exact: 2 epochs straight equal 1 + resume + 1, and a mid-ep
   REQUIRE(a.code == 0);
   CHECK_FALSE(fs::exists(straight + "/recovery-1-8.safetensors"));  // superseded by last.safetensors
   auto b = test::run(kBin + args + " --epochs 1 --experiment split");
+  INFO(b.output);
   REQUIRE(b.code == 0);
   auto c = test::run(kBin + args + " --epochs 2 --experiment split --resume " + (out / "split/last.safetensors"));
   INFO(c.output);
@@ -624,6 +628,7 @@ TEST_CASE("log lines carry an ETA, a terminal also gets a live progress line, fi
   CHECK(fs::file_size(out / "pipe/curves.png") > 1000);
   // --log-tensorboard DIR: the events go there; `imgtrain plot` overlays two runs
   auto d = test::run(cmd + " --epochs 1 --experiment dir --log-tensorboard " + (out / "tb"));
+  INFO(d.output);
   REQUIRE(d.code == 0);
   bool events_in_dir = false;
   for (auto& e : fs::directory_iterator(out / "tb"))
@@ -650,6 +655,7 @@ TEST_CASE("log lines carry an ETA, a terminal also gets a live progress line, fi
   CHECK(log_txt.find("[   1/10") == std::string::npos);
   // IMGTRAIN_PROGRESS=0 turns the live line off on a terminal
   auto q = test::run("IMGTRAIN_PROGRESS=0 script -qec '" + cmd + " --experiment quiet' /dev/null");
+  INFO(q.output);
   REQUIRE(q.code == 0);
   CHECK(q.output.find("\033[K") == std::string::npos);
 }
@@ -1248,6 +1254,7 @@ TEST_CASE("Mask R-CNN trains on COCO data, logs its losses, resumes exactly and 
   // 1 epoch, then --resume for the second: the same weights, bit for bit.
   auto r1 = test::run(kBin + " train --data-dir " + data + kDetArgs + " --epochs 1 --output " + out.path.string() +
                       " --experiment split");
+  INFO(r1.output);
   REQUIRE(r1.code == 0);
   auto r2 = test::run(kBin + " train --data-dir " + data + kDetArgs + " --epochs 2 --output " + out.path.string() +
                       " --experiment split --resume " + (out / "split/last.safetensors"));

@@ -252,6 +252,7 @@ TEST_CASE("two hosts in network namespaces: the job trains and losing node 1 sto
   const std::string args = common_args(data, out.path.string()) +
                            " --nproc-per-node 1 --nnodes 2 --master-addr 198.18.0.1 --master-port 29500";
   auto ref = test::run(kBin + common_args(data, out.path.string()) + " --nproc-per-node 2 --experiment ref");
+  INFO(ref.output);
   REQUIRE(ref.code == 0);
   {
     const std::string l0 = out / "a.log", l1 = out / "b.log";
