@@ -92,6 +92,40 @@ at::Tensor ConvImpl::forward(const at::Tensor& x) {
   return torch::nn::Conv2dImpl::forward(pad_same(x));
 }
 
+at::Tensor trimmed_conv2d(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, at::IntArrayRef stride,
+                          at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups) {
+  if (x.dim() != 4 || w.dim() != 4 || stride.size() != 2 || padding.size() != 2 || dilation.size() != 2) return {};
+  int64_t first[2], len[2], pad[2], out[2];
+  bool cut = false;
+  for (int d = 0; d < 2; ++d) {
+    const int64_t n = x.size(2 + d), k = w.size(2 + d), s = stride[d], p = padding[d], dl = dilation[d];
+    if (s < 1 || dl < 1 || p < 0) return {};
+    out[d] = (n + 2 * p - dl * (k - 1) - 1) / s + 1;
+    if (out[d] < 1) return {};
+    // taps that read an input row for some output row: o * s - p + i * dl in [0, n)
+    int64_t lo = k, hi = -1;
+    for (int64_t i = 0; i < k; ++i)
+      for (int64_t o = 0; o < out[d]; ++o) {
+        const int64_t r = o * s - p + i * dl;
+        if (r >= 0 && r < n) {
+          lo = std::min(lo, i), hi = std::max(hi, i);
+          break;
+        }
+      }
+    if (hi < 0) return {};  // every tap on padding: a degenerate shape, left to the convolution
+    first[d] = lo, len[d] = hi - lo + 1, pad[d] = p - lo * dl;
+    // the cut kernel with symmetric padding must give the same outputs at the same places
+    if (pad[d] < 0 || (n + 2 * pad[d] - dl * (len[d] - 1) - 1) / s + 1 != out[d]) return {};
+    cut = cut || len[d] < k;
+  }
+  if (!cut) return {};
+  const auto wc = w.narrow(2, first[0], len[0]).narrow(3, first[1], len[1]);
+  if (groups == 1 && out[0] == 1 && out[1] == 1 && pad[0] == 0 && pad[1] == 0 && len[0] == x.size(2) &&
+      len[1] == x.size(3) && dilation[0] == 1 && dilation[1] == 1)
+    return at::linear(x.reshape({x.size(0), -1}), wc.reshape({w.size(0), -1}), b).view({x.size(0), w.size(0), 1, 1});
+  return at::conv2d(x, wc, b, stride, {pad[0], pad[1]}, dilation, groups);
+}
+
 namespace {
 // oneDNN's fused convolution ops (the ones torch.compile's CPU backend emits for conv + pointwise),
 // looked up once; absent from a LibTorch built without oneDNN, and then nothing is fused on the CPU.
@@ -142,6 +176,19 @@ bool fusable(const torch::nn::Conv2dImpl& conv, const imgtrain::BatchNorm2dImpl&
 
 std::vector<int64_t> vec(const torch::ExpandingArray<2>& a) { return {a->at(0), a->at(1)}; }
 
+// The module's convolution, trimmed (trimmed_conv2d) where that applies.
+at::Tensor conv_forward(torch::nn::Conv2dImpl& conv, ConvImpl* zconv, const at::Tensor& x) {
+  const auto& o = conv.options;
+  if (std::holds_alternative<torch::ExpandingArray<2>>(o.padding()) &&
+      std::holds_alternative<torch::enumtype::kZeros>(o.padding_mode())) {
+    auto in = zconv ? zconv->pad_same(x) : x;
+    auto y = trimmed_conv2d(in, conv.weight, conv.bias, vec(o.stride()),
+                            vec(std::get<torch::ExpandingArray<2>>(o.padding())), vec(o.dilation()), o.groups());
+    if (y.defined()) return y;
+  }
+  return zconv ? zconv->forward(x) : conv.forward(x);
+}
+
 // Training fusion: act(bn(y) + residual) as one kernel when bn asks for it (set_training_fusion)
 // and the kernel takes the input; else undefined and the caller runs the modules. The running
 // statistics and num_batches_tracked move exactly as torch's BatchNorm2d moves them.
@@ -189,8 +236,10 @@ at::Tensor frozen_folded(torch::nn::Conv2dImpl& conv, imgtrain::BatchNorm2dImpl&
   auto w = conv.weight * scale.reshape({-1, 1, 1, 1});
   auto b = conv.bias.defined() ? conv.bias * scale + shift : shift;
   const auto& o = conv.options;
-  auto y = at::conv2d(input, w, b, vec(o.stride()), vec(std::get<torch::ExpandingArray<2>>(o.padding())),
-                      vec(o.dilation()), o.groups());
+  const auto stride = vec(o.stride()), padding = vec(std::get<torch::ExpandingArray<2>>(o.padding())),
+             dilation = vec(o.dilation());
+  auto y = trimmed_conv2d(input, w, b, stride, padding, dilation, o.groups());
+  if (!y.defined()) y = at::conv2d(input, w, b, stride, padding, dilation, o.groups());
   if (residual.defined()) y.add_(residual);
   return apply_act(y, act, true);
 }
@@ -203,7 +252,7 @@ at::Tensor conv_bn_act(torch::nn::Conv2dImpl& conv, imgtrain::BatchNorm2dImpl& b
   if (!fusable(conv, bn, x)) {
     if (auto folded = frozen_folded(conv, bn, zconv ? zconv->pad_same(x) : x, act, residual); folded.defined())
       return folded;
-    auto y = zconv ? zconv->forward(x) : conv.forward(x);
+    auto y = conv_forward(conv, zconv, x);
     if (auto fused = train_fused(bn, y, act, residual); fused.defined()) return fused;
     y = bn.forward(y);
     if (residual.defined()) y.add_(residual);

@@ -1331,3 +1331,47 @@ TEST_CASE("training fusion of frozen BatchNorms: folded into the convolutions, e
       CHECK(differs64);  // the folded path did run
     }
 }
+
+TEST_CASE("convolutions with taps on padding only run trimmed: same outputs and gradients as the full kernel", "[models]") {
+  // float64: the trimmed convolution (or Linear) sums the same non-zero products as the full
+  // kernel, so outputs and gradients agree to rounding; a cut tap's gradient is exactly zero
+  struct Case {
+    std::vector<int64_t> x, w, stride, padding, dilation;
+    int64_t groups;
+    bool trims;
+  };
+  const std::vector<Case> cases = {
+      {{3, 8, 1, 1}, {6, 8, 3, 3}, {1, 1}, {1, 1}, {1, 1}, 1, true},     // centre tap: a Linear
+      {{3, 8, 2, 2}, {6, 8, 3, 3}, {2, 2}, {1, 1}, {1, 1}, 1, true},     // 2x2 -> 1x1, stride 2: a Linear
+      {{2, 8, 1, 1}, {8, 1, 5, 5}, {1, 1}, {2, 2}, {1, 1}, 8, true},     // depthwise 5x5 on 1x1
+      {{2, 4, 1, 3}, {5, 4, 3, 3}, {1, 1}, {1, 1}, {1, 1}, 1, true},     // rows cut, columns kept
+      {{2, 4, 2, 2}, {5, 4, 3, 3}, {1, 1}, {2, 2}, {2, 2}, 1, true},     // dilation 2 on 2x2
+      {{2, 4, 2, 2}, {5, 4, 3, 3}, {1, 1}, {1, 1}, {1, 1}, 1, false},    // 2x2, stride 1: every tap used
+      {{2, 4, 7, 7}, {5, 4, 3, 3}, {2, 2}, {1, 1}, {1, 1}, 1, false},    // ordinary maps
+      {{2, 4, 5, 5}, {5, 4, 1, 1}, {1, 1}, {0, 0}, {1, 1}, 1, false},    // 1x1 kernel
+  };
+  for (const auto& c : cases) {
+    INFO("x " << Catch::Detail::stringify(c.x) << " w " << Catch::Detail::stringify(c.w) << " stride "
+              << Catch::Detail::stringify(c.stride) << " dilation " << Catch::Detail::stringify(c.dilation));
+    torch::manual_seed(3);
+    auto x = torch::randn(c.x, torch::kFloat64).requires_grad_();
+    auto w = torch::randn(c.w, torch::kFloat64).requires_grad_();
+    auto b = torch::randn({c.w[0]}, torch::kFloat64).requires_grad_();
+    auto y = model_zoo::trimmed_conv2d(x, w, b, c.stride, c.padding, c.dilation, c.groups);
+    REQUIRE(y.defined() == c.trims);
+    if (!y.defined()) continue;
+    auto ref = at::conv2d(x, w, b, c.stride, c.padding, c.dilation, c.groups);
+    REQUIRE(y.sizes() == ref.sizes());
+    CHECK(torch::allclose(y, ref, 1e-12, 1e-12));
+    auto g = torch::randn_like(ref);
+    auto got = torch::autograd::grad({y}, {x, w, b}, {g});
+    auto want = torch::autograd::grad({ref}, {x, w, b}, {g});
+    for (int i = 0; i < 3; ++i) CHECK(torch::allclose(got[i], want[i], 1e-12, 1e-12));
+  }
+  // channels-last input: same numbers, in float32 within rounding
+  auto x = torch::randn({4, 16, 2, 2}).contiguous(at::MemoryFormat::ChannelsLast);
+  auto w = torch::randn({32, 16, 3, 3}).contiguous(at::MemoryFormat::ChannelsLast);
+  auto y = model_zoo::trimmed_conv2d(x, w, {}, {2, 2}, {1, 1}, {1, 1}, 1);
+  REQUIRE(y.defined());
+  CHECK(torch::allclose(y, at::conv2d(x, w, {}, {2, 2}, {1, 1}), 1e-5, 1e-5));
+}
