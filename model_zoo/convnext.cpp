@@ -7,6 +7,8 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <array>
+#include <utility>
 
 namespace imgtrain::model_zoo {
 namespace {
@@ -49,12 +51,33 @@ struct ConvNeXtBlockImpl : torch::nn::Module, InferenceFusion {
   at::Tensor forward(const at::Tensor& in) {
     auto x = conv_dw(in).permute({0, 2, 3, 1});
     if (fuse_infer && !is_training() && linear_fusable(x)) {  // eval: GELU as fc1's post-op, gamma in fc2
-      auto h = linear_act(norm(x), fc1->weight, fc1->bias, Act::GELU);
-      return at::linear(h, fc2->weight * gamma.unsqueeze(1), fc2->bias * gamma).permute({0, 3, 1, 2}) + in;
+      auto h = linear_act(norm(x), fc1->weight, fc1->bias, Act::GELU, &fc1_pack);
+      fold_gamma();
+      // the residual as NHWC: channels-last memory is read in place, the add a post-op of fc2
+      const auto res = in.permute({0, 2, 3, 1});
+      if (res.is_contiguous())
+        return linear_add(h, fc2_folded_w, fc2_folded_b, res, &fc2_pack).permute({0, 3, 1, 2});
+      return at::linear(h, fc2_folded_w, fc2_folded_b).permute({0, 3, 1, 2}) + in;
     }
     x = fc2(torch::gelu(fc1(norm(x)))).permute({0, 3, 1, 2});
     x = x.mul(gamma.reshape({1, -1, 1, 1}));
     return drop_path(x, dpr, is_training()) + in;
+  }
+
+  // fc2's weight and bias times gamma, made again only when one of the three changed (an optimizer
+  // step or a load between evaluations moves their version counters)
+  at::Tensor fc2_folded_w, fc2_folded_b;
+  LinearPack fc1_pack, fc2_pack;
+  std::array<std::pair<const void*, uint32_t>, 3> folded_from{};
+  void fold_gamma() {
+    const std::array<std::pair<const void*, uint32_t>, 3> now = {
+        std::pair{fc2->weight.data_ptr(), fc2->weight._version()}, std::pair{fc2->bias.data_ptr(), fc2->bias._version()},
+        std::pair{gamma.data_ptr(), gamma._version()}};
+    if (fc2_folded_w.defined() && now == folded_from) return;
+    at::NoGradGuard no_grad;
+    fc2_folded_w = fc2->weight * gamma.unsqueeze(1);
+    fc2_folded_b = fc2->bias * gamma;
+    folded_from = now;
   }
 };
 TORCH_MODULE(ConvNeXtBlock);

@@ -47,8 +47,9 @@ struct AttentionImpl : torch::nn::Module {
     auto qkv_ = qkv(x).reshape({b, n, 3, heads, c / heads}).permute({2, 0, 3, 1, 4});
     auto q = qkv_[0], k = qkv_[1], v = qkv_[2];
     auto o = at::scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape({b, n, c});
-    return residual.defined() ? linear_add(o, proj->weight, proj->bias, residual) : proj(o);
+    return residual.defined() ? linear_add(o, proj->weight, proj->bias, residual, &proj_pack) : proj(o);
   }
+  LinearPack proj_pack;
 };
 TORCH_MODULE(Attention);
 
@@ -61,8 +62,10 @@ struct MlpImpl : torch::nn::Module {
   at::Tensor forward(const at::Tensor& x) { return fc2(torch::gelu(fc1(x))); }
   // inference fusion: fc2(gelu(fc1(x))) + residual in two oneDNN calls (GELU and the add as post-ops)
   at::Tensor forward_fused(const at::Tensor& x, const at::Tensor& residual) {
-    return linear_add(linear_act(x, fc1->weight, fc1->bias, Act::GELU), fc2->weight, fc2->bias, residual);
+    return linear_add(linear_act(x, fc1->weight, fc1->bias, Act::GELU, &fc1_pack), fc2->weight, fc2->bias, residual,
+                      &fc2_pack);
   }
+  LinearPack fc1_pack, fc2_pack;
 };
 TORCH_MODULE(Mlp);
 

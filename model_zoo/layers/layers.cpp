@@ -347,21 +347,42 @@ bool linear_fusable(const at::Tensor& x) {
          !at::autocast::is_autocast_enabled(at::kCPU) && linear_op(false) && linear_op(true);
 }
 
-at::Tensor linear_act(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, Act act) {
+namespace {
+const at::Tensor& packed_weight(const at::Tensor& w, int64_t rows, LinearPack* pack) {
+  if (!pack) return w;
+  if (pack->packed.defined() && pack->source.is_same(w) && pack->data == w.data_ptr() &&
+      pack->version == w._version())
+    return pack->packed;
+  static const auto reorder = c10::Dispatcher::singleton().findSchema({"mkldnn::_reorder_linear_weight", ""});
+  if (!reorder) return w;
+  torch::jit::Stack st{w.detach(), rows};
+  reorder->callBoxed(&st);
+  pack->packed = st[0].toTensor();
+  pack->source = w;
+  pack->data = w.data_ptr();
+  pack->version = w._version();
+  return pack->packed;
+}
+int64_t rows_of(const at::Tensor& x) { return x.numel() / std::max<int64_t>(x.size(-1), 1); }
+}  // namespace
+
+at::Tensor linear_act(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, Act act, LinearPack* pack) {
   const auto post = post_op(act);
   if (!post || !linear_fusable(x) || act == Act::HardSwish || act == Act::ReLU6)  // oneDNN linear: not these
     return apply_act(at::linear(x, w, b), act, true);
   c10::List<std::optional<at::Scalar>> scalars;
   for (double v : post->scalars) scalars.push_back(at::Scalar(v));
-  torch::jit::Stack st{x.contiguous(), w, b, post->attr, scalars,
+  torch::jit::Stack st{x.contiguous(), packed_weight(w, rows_of(x), pack), b, post->attr, scalars,
                        post->algorithm.empty() ? c10::IValue() : c10::IValue(post->algorithm)};
   linear_op(false)->callBoxed(&st);
   return st[0].toTensor();
 }
 
-at::Tensor linear_add(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const at::Tensor& residual) {
+at::Tensor linear_add(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const at::Tensor& residual,
+                      LinearPack* pack) {
   if (!linear_fusable(x) || residual.scalar_type() != at::kFloat) return at::linear(x, w, b) + residual;
-  torch::jit::Stack st{x.contiguous(), residual.contiguous(), w, b, std::string("add")};
+  torch::jit::Stack st{x.contiguous(), residual.contiguous(), packed_weight(w, rows_of(x), pack), b,
+                       std::string("add")};
   linear_op(true)->callBoxed(&st);
   return st[0].toTensor();
 }

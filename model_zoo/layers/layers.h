@@ -74,9 +74,19 @@ at::Tensor conv_bn_act(torch::nn::Conv2dImpl& conv, imgtrain::BatchNorm2dImpl& b
 // `x` (float32 on the CPU outside autocast, with oneDNN's linear ops present), then
 // act(x W^T + b) and x W^T + b + residual as one oneDNN call each (mkldnn::_linear_pointwise, the
 // ops torch.compile's CPU backend emits). Outside those conditions both run the ATen ops.
+// With a LinearPack the fused call reads the weight in oneDNN's own layout, made on the first call
+// and again only when the weight changes (in place: its version moves; or replaced): oneDNN's
+// linear otherwise reorders a plain weight on every call (4-9% of its time at ViT-S's shapes).
+struct LinearPack {
+  at::Tensor packed, source;  // source: the weight it was made from (held, so never a reused address)
+  const void* data = nullptr;
+  uint32_t version = 0;
+};
 bool linear_fusable(const at::Tensor& x);
-at::Tensor linear_act(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, Act act);
-at::Tensor linear_add(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const at::Tensor& residual);
+at::Tensor linear_act(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, Act act,
+                      LinearPack* pack = nullptr);
+at::Tensor linear_add(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const at::Tensor& residual,
+                      LinearPack* pack = nullptr);
 
 // Convolution, BatchNorm, activation (timm's ConvBnAct block: modules conv, bn1), with a residual
 // when `skip` is asked and the shapes allow it.

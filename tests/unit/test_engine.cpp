@@ -896,8 +896,26 @@ TEST_CASE("inference fusion of ViT and ConvNeXt: GELU and residual adds as linea
       torch::AutoGradMode on(true);
       CHECK(torch::equal(m->forward(x), ref));
     }
+    // channels-last input: ConvNeXt's residual add then runs as fc2's post-op
+    const auto xl = x.contiguous(at::MemoryFormat::ChannelsLast);
     set_inference_fusion(*m, false);
-    CHECK(torch::equal(m->forward(x), ref));
+    const auto ref_l = m->forward(xl);
+    set_inference_fusion(*m, true);
+    const auto names_l = ops_called([&] { y = m->forward(xl); });
+    CHECK((y - ref_l).abs().max().item<double>() <= 1e-4 * scale);
+    if (std::string(name) == "convnext_tiny") CHECK(names_l.count("mkldnn::_linear_pointwise"));
+    // weights changed in place between two forwards (an optimizer step between evaluations): the
+    // folded copies follow
+    for (auto& p : m->named_parameters())
+      if (p.key().find("gamma") != std::string::npos || p.key().find("fc2") != std::string::npos) p.value().mul_(0.7);
+    set_inference_fusion(*m, false);
+    const auto ref2 = m->forward(xl);
+    set_inference_fusion(*m, true);
+    y = m->forward(xl);
+    CHECK((ref2 - ref_l).abs().max().item<double>() > 1e-3 * scale);  // the change shows
+    CHECK((y - ref2).abs().max().item<double>() <= 1e-4 * scale);
+    set_inference_fusion(*m, false);
+    CHECK(torch::equal(m->forward(xl), ref2));
   }
 }
 
