@@ -360,9 +360,12 @@ class EfficientNetImpl : public ClassifierImpl {
 }  // namespace
 
 void register_efficientnet(Registry<ModelEntry>& r) {
-  for (auto& s : specs())
-    r.add(s.name, ModelEntry{[&s](const ModelArgs& a) -> Model { return std::make_shared<EfficientNetImpl>(s, a); },
-                             timm_defaults(s.name)});
+  for (auto& s : specs()) {
+    ModelEntry e{[&s](const ModelArgs& a) -> Model { return std::make_shared<EfficientNetImpl>(s, a); },
+                 timm_defaults(s.name)};
+    e.cpu_training_nhwc_fused = true;
+    r.add(s.name, std::move(e));
+  }
 }
 
 }  // namespace imgtrain::model_zoo

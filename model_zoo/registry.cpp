@@ -68,6 +68,11 @@ const std::string& model_task(const std::string& name) { return entry(name).task
 
 const ModelDefaults& model_defaults(const std::string& name) { return entry(name).defaults; }
 
+bool cpu_training_nhwc_fused(const std::string& name) {
+  const auto* e = find_model(name);
+  return e && e->cpu_training_nhwc_fused;
+}
+
 int64_t count_params(const torch::nn::Module& m) {
   int64_t n = 0;
   for (auto& p : m.parameters()) n += p.numel();

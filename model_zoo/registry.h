@@ -20,6 +20,10 @@ struct ModelEntry {
   std::string task = "classification";
   // Models of other tasks (detectors) are plain modules that their task knows how to drive.
   std::function<std::shared_ptr<torch::nn::Module>(const ModelArgs&)> create_module = nullptr;
+  // Training on the CPU in float32 defaults to channels-last and the fused BatchNorm kernels
+  // (--channels-last, --fuse-bn): set for the families where both were measured faster
+  // (docs/performance.md, "Training defaults per family").
+  bool cpu_training_nhwc_fused = false;
 };
 
 const ModelEntry* find_model(const std::string& name);
@@ -34,6 +38,8 @@ std::shared_ptr<torch::nn::Module> create_module(const std::string& name, const 
 // The task that trains `name` ("classification", "detection"); UserError for unknown names.
 const std::string& model_task(const std::string& name);
 const ModelDefaults& model_defaults(const std::string& name);
+// ModelEntry::cpu_training_nhwc_fused of `name` (false for unknown names).
+bool cpu_training_nhwc_fused(const std::string& name);
 int64_t count_params(const torch::nn::Module& m);
 
 // timm's default pretrained config and tags for `name` (model_zoo/pretrained_cfgs.inc, generated

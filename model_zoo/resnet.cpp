@@ -250,8 +250,10 @@ class ResNetImpl : public ClassifierImpl {
 
 void register_resnet(Registry<ModelEntry>& r) {
   for (auto& spec : specs()) {
-    r.add(spec.name, ModelEntry{[&spec](const ModelArgs& a) -> Model { return std::make_shared<ResNetImpl>(spec, a); },
-                                timm_defaults(spec.name)});
+    ModelEntry e{[&spec](const ModelArgs& a) -> Model { return std::make_shared<ResNetImpl>(spec, a); },
+                 timm_defaults(spec.name)};
+    e.cpu_training_nhwc_fused = true;
+    r.add(spec.name, std::move(e));
   }
 }
 

@@ -191,6 +191,8 @@ struct Config {
   bool was_given(const std::string& flag) const { return given.count(flag) > 0; }
   // --fuse-bn as given, else `default_on`.
   bool fuse_bn_on(bool default_on) const { return was_given("fuse-bn") ? fuse_bn : default_on; }
+  // --channels-last as given, else `default_on`.
+  bool channels_last_on(bool default_on) const { return was_given("channels-last") ? channels_last : default_on; }
   std::set<std::string> in_file;  // the flags the -c file names, at any value
 };
 

@@ -335,10 +335,11 @@ int benchmark_data(const cli::Config& cfg) {
 // no benchmark, bench/torchvision_detection.py times the same calls) with 4 random boxes (and
 // masks) per image; train: the loss dict summed, backward and an SGD step (lr 1e-4).
 // inference: BatchNorm folded into the convolutions unless --fuse-bn=false; training: the fused
-// kernels (and frozen BatchNorms folded) only with --fuse-bn. Recorded as <prefix>_fuse_bn.
+// kernels (and frozen BatchNorms folded) with --fuse-bn, and by default where `train` says so
+// (train's own per-family default). Recorded as <prefix>_fuse_bn.
 void set_fusion(torch::nn::Module& model, const cli::Config& cfg, const Amp& amp, bool train,
-                nlohmann::ordered_json& results) {
-  const bool fuse = cfg.fuse_bn_on(!amp.enabled && !train);
+                nlohmann::ordered_json& results, bool train_default = false) {
+  const bool fuse = cfg.fuse_bn_on(train ? train_default : !amp.enabled);
   set_inference_fusion(model, fuse && !train);
   set_training_fusion(model, fuse && train);
   results[train ? "train_fuse_bn" : "infer_fuse_bn"] = fuse;
@@ -492,8 +493,15 @@ int benchmark(const cli::Config& cfg) {
   margs.img_size = img;
   margs.global_pool = cfg.gp;
   const int64_t b = cfg.batch_size;
+  // training: train's per-family default on the CPU (channels-last and fused BatchNorm) unless the
+  // flags say; inference: NCHW unless --channels-last (measured neutral there, docs/performance.md)
+  const bool nhwc_fused = device.is_cpu() && !amp.enabled && !amp.o2 && model_zoo::cpu_training_nhwc_fused(cfg.model);
+  auto nhwc = [&](bool train) { return train ? cfg.channels_last_on(nhwc_fused) : cfg.channels_last; };
   log::info("Benchmarking in {} precision. {} layout.", amp.enabled ? "amp" : "float32",
-            cfg.channels_last ? "NHWC" : "NCHW");
+            nhwc(cfg.bench == "train") ? "NHWC" : "NCHW");
+  if (cfg.bench == "both" && nhwc(true) != nhwc(false))
+    log::info("Training in {} layout (this family's CPU default; --channels-last [=false] chooses).",
+              nhwc(true) ? "NHWC" : "NCHW");
 
   nlohmann::ordered_json results;
   results["model"] = cfg.model;
@@ -504,16 +512,17 @@ int benchmark(const cli::Config& cfg) {
     auto model = model_zoo::create_model(cfg.model, margs);
     params = model_zoo::count_params(*model);
     model->to(device);
-    if (cfg.channels_last) to_channels_last(*model);
+    if (nhwc(train)) to_channels_last(*model);
     std::unique_ptr<dist::GradSync> sync;
     if (ctx && train) {
       ctx->broadcast_model(*model);
       sync = ctx->grad_sync(*model, cfg.bucket_cap_mb, true);
     }
     auto x = torch::randn({b, margs.in_chans, img, img}, torch::TensorOptions().device(device));
-    if (cfg.channels_last) x = x.contiguous(at::MemoryFormat::ChannelsLast);
+    if (nhwc(train)) x = x.contiguous(at::MemoryFormat::ChannelsLast);
     model->train(train);
-    set_fusion(*model, cfg, amp, train, results);
+    set_fusion(*model, cfg, amp, train, results, nhwc_fused);
+    results[train ? "train_channels_last" : "infer_channels_last"] = nhwc(train);
     auto opt = train ? bench_optimizer(*model, cfg) : nullptr;
     const char* what = train ? "train" : "inference";
     log::info("Running {} benchmark on {} for {} steps w/ input size ({}, {}, {}) and batch size {}.", what,

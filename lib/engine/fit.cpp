@@ -220,9 +220,18 @@ int fit(const cli::Config& given_cfg, torch::Device device, dist::Context* ctx) 
 
   // (after the data checks and the model's own checks, so that a user error stays one line)
   r.model = task.create_model();
-  // --fuse-bn: BatchNorm + residual add + activation as one kernel in training (float32 CPU; opt-in
-  // while it is not faster than ATen's kernels everywhere, docs/performance.md)
-  set_training_fusion(*r.model, cfg.fuse_bn_on(false));
+  // --channels-last and --fuse-bn (BatchNorm + residual add + activation as one kernel): on by
+  // default for the families measured faster with both when training on the CPU in float32
+  // (docs/performance.md); the flags, given either way, decide
+  const bool nhwc_fused = device.is_cpu() && !amp.enabled && !amp.o2 && model_zoo::cpu_training_nhwc_fused(cfg.model);
+  cfg.channels_last = cfg.channels_last_on(nhwc_fused);
+  const bool fuse_bn = cfg.fuse_bn_on(nhwc_fused);
+  if (nhwc_fused && (!cfg.was_given("channels-last") || !cfg.was_given("fuse-bn")))
+    log::info("Training layout {}, BatchNorm {}: {} default on the CPU (--channels-last / --fuse-bn [=false] "
+              "choose)",
+              cfg.channels_last ? "channels-last (NHWC)" : "NCHW",
+              fuse_bn ? "fused with the residual add and activation" : "as torch's modules", cfg.model);
+  set_training_fusion(*r.model, fuse_bn);
   if (ctx)
     log::info("Training in distributed mode with multiple processes, 1 device per process. Process {}, total {}, "
               "device {} ({}).",

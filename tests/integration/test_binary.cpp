@@ -49,6 +49,8 @@ TEST_CASE("trains far above chance, validates, resumes at the next epoch, loads 
                  "log.txt"})
     CHECK(fs::exists(run + "/" + f));
   CHECK_THAT(r.output, Catch::Contains("Train: 2 [  39/40 (100%)]") && Catch::Contains("*** Best metric:"));
+  // a ResNet on the CPU in float32: channels-last and the fused BatchNorm kernels by default
+  CHECK_THAT(r.output, Catch::Contains("Training layout channels-last (NHWC), BatchNorm fused"));
   // log.txt holds the whole run, the lines before the run folder existed too
   const std::string log_txt = test::read_file(run + "/log.txt");
   CHECK_THAT(log_txt, Catch::Contains("Model resnet18 created, param count:") && Catch::Contains("Scheduled epochs") &&
@@ -105,18 +107,30 @@ TEST_CASE("trains far above chance, validates, resumes at the next epoch, loads 
   REQUIRE(plain.code == 0);
   CHECK_THAT(plain.output, Catch::Contains("\"infer_fuse_bn\": false") && Catch::Contains("aten::native_batch_norm"));
   // training with --fuse-bn: BatchNorm, residual add and ReLU run as imgtrain's kernel (no ATen
-  // batch_norm op); without it (the default) torch's modules
+  // batch_norm op); with --fuse-bn=false torch's modules. A ResNet on the CPU in float32 gets the
+  // fused kernels and channels-last by default; --amp keeps timm's defaults.
   const std::string train_bench = kBin + " benchmark --device cpu --model resnet18 --bench train -b 2 --img-size 64 "
                                          "--num-warm-iter 1 --num-bench-iter 2 --profile";
   auto fused_train = test::run(train_bench + " --fuse-bn");
   INFO(fused_train.output);
   REQUIRE(fused_train.code == 0);
   CHECK_THAT(fused_train.output, Catch::Contains("\"train_fuse_bn\": true") && !Catch::Contains("batch_norm"));
-  auto plain_train = test::run(train_bench);
+  auto default_train = test::run(train_bench);
+  INFO(default_train.output);
+  REQUIRE(default_train.code == 0);
+  CHECK_THAT(default_train.output, Catch::Contains("\"train_fuse_bn\": true") && !Catch::Contains("batch_norm") &&
+                                       Catch::Contains("\"train_channels_last\": true"));
+  auto plain_train = test::run(train_bench + " --fuse-bn=false --channels-last=false");
   INFO(plain_train.output);
   REQUIRE(plain_train.code == 0);
   CHECK_THAT(plain_train.output, Catch::Contains("\"train_fuse_bn\": false") &&
+                                     Catch::Contains("\"train_channels_last\": false") &&
                                      Catch::Contains("aten::native_batch_norm_backward"));
+  auto amp_train = test::run(train_bench + " --amp --amp-dtype bfloat16");
+  INFO(amp_train.output);
+  REQUIRE(amp_train.code == 0);
+  CHECK_THAT(amp_train.output, Catch::Contains("\"train_fuse_bn\": false") &&
+                                   Catch::Contains("\"train_channels_last\": false"));
 
   // Resume: continues at epoch 3, not 0, and appends to the same summary.
   auto r2 = test::run(kBin + " train --data-dir " + data + kSmallArgs + " --epochs 4 --output " + out.path.string() +
