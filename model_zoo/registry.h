@@ -22,7 +22,7 @@ struct ModelEntry {
   std::function<std::shared_ptr<torch::nn::Module>(const ModelArgs&)> create_module = nullptr;
   // Training on the CPU in float32 defaults to channels-last and the fused BatchNorm kernels
   // (--channels-last, --fuse-bn): set for the families where both were measured faster
-  // (docs/performance.md, "Training defaults per family").
+  // (docs/performance.md, "CPU training defaults per family").
   bool cpu_training_nhwc_fused = false;
 };
 

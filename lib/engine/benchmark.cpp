@@ -495,7 +495,7 @@ int benchmark(const cli::Config& cfg) {
   const int64_t b = cfg.batch_size;
   // training: train's per-family default on the CPU (channels-last and fused BatchNorm) unless the
   // flags say; inference: NCHW unless --channels-last (measured neutral there, docs/performance.md)
-  const bool nhwc_fused = device.is_cpu() && !amp.enabled && !amp.o2 && model_zoo::cpu_training_nhwc_fused(cfg.model);
+  const bool nhwc_fused = nhwc_fused_training_default(cfg.model, device, amp);
   auto nhwc = [&](bool train) { return train ? cfg.channels_last_on(nhwc_fused) : cfg.channels_last; };
   log::info("Benchmarking in {} precision. {} layout.", amp.enabled ? "amp" : "float32",
             nhwc(cfg.bench == "train") ? "NHWC" : "NCHW");

@@ -223,7 +223,7 @@ int fit(const cli::Config& given_cfg, torch::Device device, dist::Context* ctx) 
   // --channels-last and --fuse-bn (BatchNorm + residual add + activation as one kernel): on by
   // default for the families measured faster with both when training on the CPU in float32
   // (docs/performance.md); the flags, given either way, decide
-  const bool nhwc_fused = device.is_cpu() && !amp.enabled && !amp.o2 && model_zoo::cpu_training_nhwc_fused(cfg.model);
+  const bool nhwc_fused = nhwc_fused_training_default(cfg.model, device, amp);
   cfg.channels_last = cfg.channels_last_on(nhwc_fused);
   const bool fuse_bn = cfg.fuse_bn_on(nhwc_fused);
   if (nhwc_fused && (!cfg.was_given("channels-last") || !cfg.was_given("fuse-bn")))

@@ -3,6 +3,7 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "data/normalize.h"
+#include "model_zoo/registry.h"
 
 #include <fmt/ranges.h>
 #include <torch/torch.h>
@@ -68,6 +69,10 @@ Amp resolve_amp(bool amp, const std::string& amp_dtype, const std::string& opt_l
   a.enabled = opt_level == "O1" || (amp && opt_level != "O0" && !a.o2);
   a.dtype = amp_dtype == "bfloat16" ? at::kBFloat16 : at::kHalf;
   return a;
+}
+
+bool nhwc_fused_training_default(const std::string& model, torch::Device device, const Amp& amp) {
+  return device.is_cpu() && !amp.enabled && !amp.o2 && model_zoo::cpu_training_nhwc_fused(model);
 }
 
 void to_channels_last(torch::nn::Module& m) {

@@ -42,6 +42,10 @@ Amp resolve_amp(bool amp, const std::string& amp_dtype, const std::string& opt_l
 
 // --channels-last: 4-D weights to NHWC memory layout (inputs follow in the training loop).
 void to_channels_last(torch::nn::Module& m);
+// Whether training `model` defaults to channels-last with the fused BatchNorm kernels: on the CPU,
+// in float32, for the families measured faster with both (ModelEntry::cpu_training_nhwc_fused).
+// train and benchmark --bench train; the flags, given either way, decide over it.
+bool nhwc_fused_training_default(const std::string& model, torch::Device device, const Amp& amp);
 // timm's --bn-momentum / --bn-eps, applied to every BatchNorm of any model.
 void apply_bn_args(torch::nn::Module& m, std::optional<double> momentum, std::optional<double> eps);
 
