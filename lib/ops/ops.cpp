@@ -195,12 +195,26 @@ void roi_align_forward_cpu(const at::Tensor& in, const at::Tensor& rois, double 
   });
 }
 
-// Backward, either layout. Channels are independent: each thread owns whole channels, so every
-// element's gradient is summed in the same (RoI, bin, sample) order whatever the thread count
-// and layout.
+// dst[i] += src[i] * w / count: torchvision's expression and rounding (a product, then a
+// quotient, then the sum: nothing to contract), over one tap's channels of a channels-last map.
+// The pointers do not overlap, so the loop vectorises (SIMD clones picked at load time).
+template <typename T>
+inline void scatter_tap(T* __restrict dst, const T* __restrict src, T w, T count, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] += src[i] * w / count;
+}
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#endif
+void scatter_tap(float* __restrict dst, const float* __restrict src, float w, float count, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] += src[i] * w / count;
+}
+
+// Backward, on channels-last maps (the caller converts NCHW ones: a tap's channels are then one
+// vector). Channels are independent: each thread owns whole channels, so every element's gradient
+// is summed in the same (RoI, bin, sample) order whatever the thread count and layout.
 template <typename T>
 void roi_align_backward_cpu(const at::Tensor& grad, const at::Tensor& rois, double scale, int64_t ph, int64_t pw,
-                            int64_t sampling, bool aligned, bool nhwc, at::Tensor& gin) {
+                            int64_t sampling, bool aligned, at::Tensor& gin) {
   const int64_t C = gin.size(1), H = gin.size(2), W = gin.size(3), K = rois.size(0);
   const T* go = grad.data_ptr<T>();
   const T* r = rois.data_ptr<T>();
@@ -212,41 +226,19 @@ void roi_align_backward_cpu(const at::Tensor& grad, const at::Tensor& rois, doub
       const auto g = roi_geom(r + k * 5, scale, ph, pw, sampling, aligned);
       const int64_t per_bin = g.grid_h * g.grid_w;
       roi_taps(g, H, W, ph, pw, taps, inside);
-      if (nhwc) {
-        T* img = gi + g.batch * H * W * C;
-        size_t t2 = 0;
-        for (int64_t b = 0; b < ph * pw; ++b) {
-          const T* o = go + (k * ph * pw + b) * C;
-          for (int64_t s = 0; s < per_bin; ++s, ++t2) {
-            if (!inside[t2]) continue;
-            const auto& q = taps[t2];
-            T *p1 = img + (q.yl * W + q.xl) * C, *p2 = img + (q.yl * W + q.xh) * C;
-            T *p3 = img + (q.yh * W + q.xl) * C, *p4 = img + (q.yh * W + q.xh) * C;
-            for (int64_t c = c0; c < c1; ++c) {
-              const T gbin = o[c];
-              p1[c] += gbin * q.w1 / g.count;
-              p2[c] += gbin * q.w2 / g.count;
-              p3[c] += gbin * q.w3 / g.count;
-              p4[c] += gbin * q.w4 / g.count;
-            }
-          }
-        }
-        continue;
-      }
-      for (int64_t c = c0; c < c1; ++c) {
-        T* plane = gi + (g.batch * C + c) * H * W;
-        const T* o = go + (k * C + c) * ph * pw;
-        size_t t2 = 0;
-        for (int64_t b = 0; b < ph * pw; ++b) {
-          const T gbin = o[b];
-          for (int64_t s = 0; s < per_bin; ++s, ++t2) {
-            if (!inside[t2]) continue;
-            const auto& q = taps[t2];
-            plane[q.yl * W + q.xl] += gbin * q.w1 / g.count;
-            plane[q.yl * W + q.xh] += gbin * q.w2 / g.count;
-            plane[q.yh * W + q.xl] += gbin * q.w3 / g.count;
-            plane[q.yh * W + q.xh] += gbin * q.w4 / g.count;
-          }
+      T* img = gi + g.batch * H * W * C;
+      size_t t2 = 0;
+      for (int64_t b = 0; b < ph * pw; ++b) {
+        const T* o = go + (k * ph * pw + b) * C;
+        for (int64_t s = 0; s < per_bin; ++s, ++t2) {
+          if (!inside[t2]) continue;
+          const auto& q = taps[t2];
+          // corner by corner (two corners are one pixel at the map's edge): per element, the
+          // same four additions in the same order as one loop over the four
+          scatter_tap(img + (q.yl * W + q.xl) * C + c0, o + c0, q.w1, g.count, c1 - c0);
+          scatter_tap(img + (q.yl * W + q.xh) * C + c0, o + c0, q.w2, g.count, c1 - c0);
+          scatter_tap(img + (q.yh * W + q.xl) * C + c0, o + c0, q.w3, g.count, c1 - c0);
+          scatter_tap(img + (q.yh * W + q.xh) * C + c0, o + c0, q.w4, g.count, c1 - c0);
         }
       }
     }
@@ -320,15 +312,16 @@ at::Tensor roi_align_backward(const at::Tensor& grad, const at::Tensor& rois, at
     return gin;
   }
 #endif
-  const auto format = nhwc ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
-  auto g = host(grad).contiguous(format);
+  // summed channels-last whatever the maps' layout (the same bits: each element's order does not
+  // depend on it), handed back in the maps' layout
+  auto g = host(grad).contiguous(at::MemoryFormat::ChannelsLast);
   auto r = host(rois).to(g.scalar_type()).contiguous();
-  auto gin = at::empty(in_shape, g.options(), format).zero_();
+  auto gin = at::empty(in_shape, g.options(), at::MemoryFormat::ChannelsLast).zero_();
   if (r.size(0) && gin.numel())
     AT_DISPATCH_FLOATING_TYPES(g.scalar_type(), "roi_align_backward", [&] {
-      roi_align_backward_cpu<scalar_t>(g, r, a.scale, a.ph, a.pw, a.sampling, a.aligned, nhwc, gin);
+      roi_align_backward_cpu<scalar_t>(g, r, a.scale, a.ph, a.pw, a.sampling, a.aligned, gin);
     });
-  return gin.to(dev);
+  return (nhwc ? gin : gin.contiguous()).to(dev);
 }
 
 struct RoiAlignFn : public torch::autograd::Function<RoiAlignFn> {
