@@ -314,6 +314,10 @@ const std::vector<Flag>& flags() {
        positive},
       {"box-sampling-ratio", "", &Config::box_sampling_ratio,
        "RoIAlign samples per bin side (0: adaptive, Detectron2's ROIAlignV2)", BOTH, {}, non_negative},
+      {"roi-canonical-size", "", &Config::roi_canonical_size,
+       "MultiScaleRoIAlign's level mapper: a box of this side is pooled from level 4 (stride 16), one half its side "
+       "from level 3 (torchvision's and Detectron2's 224)",
+       BOTH | BENCH, {}, positive},
       {"roi-align-v2", "", &Config::roi_align_v2, "RoIAlign with aligned=True (Detectron2's ROIAlignV2)", BOTH},
       {"box-loss", "", &Config::box_loss, "Box regression loss of the RoI head", TRAIN, {"smooth_l1", "l1"}},
       {"rpn-box-loss", "", &Config::rpn_box_loss, "Box regression loss of the RPN", TRAIN, {"smooth_l1", "l1"}},

@@ -179,6 +179,7 @@ struct Config {
   double box_score_thresh = 0.05, box_nms_thresh = 0.5;
   int64_t box_detections_per_img = 100;
   int64_t box_sampling_ratio = 2;
+  double roi_canonical_size = 224;
   bool roi_align_v2 = false;
   std::string box_loss = "smooth_l1";
   std::string rpn_box_loss = "smooth_l1";

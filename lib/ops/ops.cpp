@@ -12,6 +12,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
+#include <type_traits>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -410,30 +412,57 @@ struct MultiLevelRoiAlignFn : public torch::autograd::Function<MultiLevelRoiAlig
 
 // ---- NMS --------------------------------------------------------------------------------------
 
+// Marks the boxes b in [from, n) (score order) that overlap box a by more than thr: torchvision's
+// IoU expression, computed for every b (a box already suppressed stays so; skipping it saved
+// nothing once the loop runs as vectors). `thr` is the threshold as a T that compares with a T
+// IoU as the double threshold does (see nms_cpu).
+template <typename T>
+inline void suppress_row(const T* __restrict x1, const T* __restrict y1, const T* __restrict x2,
+                         const T* __restrict y2, const T* __restrict areas, int64_t a, int64_t from, int64_t n, T thr,
+                         uint8_t* __restrict sup) {
+  const T ax1 = x1[a], ay1 = y1[a], ax2 = x2[a], ay2 = y2[a], aa = areas[a];
+  for (int64_t b = from; b < n; ++b) {
+    const T w = std::max(T(0), std::min(ax2, x2[b]) - std::max(ax1, x1[b]));
+    const T h = std::max(T(0), std::min(ay2, y2[b]) - std::max(ay1, y1[b]));
+    const T inter = w * h;
+    sup[b] |= uint8_t(inter / (aa + areas[b] - inter) > thr);
+  }
+}
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#endif
+void suppress_row_f(const float* __restrict x1, const float* __restrict y1, const float* __restrict x2,
+                    const float* __restrict y2, const float* __restrict areas, int64_t a, int64_t from, int64_t n,
+                    float thr, uint8_t* __restrict sup) {
+  suppress_row<float>(x1, y1, x2, y2, areas, a, from, n, thr, sup);
+}
+
+// torchvision's CPU NMS (greedy, by decreasing score, ties in input order), on the boxes copied
+// into score order so that a kept box's row of IoUs runs as vectors.
 template <typename T>
 at::Tensor nms_cpu(const at::Tensor& dets, const at::Tensor& scores, double thr) {
-  const auto x1t = dets.select(1, 0).contiguous(), y1t = dets.select(1, 1).contiguous();
-  const auto x2t = dets.select(1, 2).contiguous(), y2t = dets.select(1, 3).contiguous();
-  const auto areas_t = (x2t - x1t) * (y2t - y1t);
   const auto order_t = std::get<1>(scores.sort(/*stable=*/true, /*dim=*/0, /*descending=*/true));
+  const auto sorted = dets.index_select(0, order_t);
+  const auto x1t = sorted.select(1, 0).contiguous(), y1t = sorted.select(1, 1).contiguous();
+  const auto x2t = sorted.select(1, 2).contiguous(), y2t = sorted.select(1, 3).contiguous();
+  const auto areas_t = (x2t - x1t) * (y2t - y1t);
   const int64_t n = dets.size(0);
   const T *x1 = x1t.data_ptr<T>(), *y1 = y1t.data_ptr<T>(), *x2 = x2t.data_ptr<T>(), *y2 = y2t.data_ptr<T>();
   const T* areas = areas_t.data_ptr<T>();
   const int64_t* order = order_t.data_ptr<int64_t>();
+  // torchvision compares the T IoU with the double threshold; for a T value v, v > thr exactly when
+  // v > the largest T not above thr
+  T t = T(thr);
+  if (double(t) > thr) t = std::nextafter(t, -std::numeric_limits<T>::infinity());
   std::vector<uint8_t> suppressed(size_t(n), 0);
   std::vector<int64_t> keep;
   for (int64_t a = 0; a < n; ++a) {
-    const int64_t i = order[a];
-    if (suppressed[size_t(i)]) continue;
-    keep.push_back(i);
-    for (int64_t b = a + 1; b < n; ++b) {
-      const int64_t j = order[b];
-      if (suppressed[size_t(j)]) continue;
-      const T w = std::max(T(0), std::min(x2[i], x2[j]) - std::max(x1[i], x1[j]));
-      const T h = std::max(T(0), std::min(y2[i], y2[j]) - std::max(y1[i], y1[j]));
-      const T inter = w * h;
-      if (inter / (areas[i] + areas[j] - inter) > thr) suppressed[size_t(j)] = 1;
-    }
+    if (suppressed[size_t(a)]) continue;
+    keep.push_back(order[a]);
+    if constexpr (std::is_same_v<T, float>)
+      suppress_row_f(x1, y1, x2, y2, areas, a, a + 1, n, t, suppressed.data());
+    else
+      suppress_row<T>(x1, y1, x2, y2, areas, a, a + 1, n, t, suppressed.data());
   }
   return torch::tensor(keep, torch::kLong);
 }

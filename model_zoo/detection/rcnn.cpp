@@ -483,7 +483,7 @@ at::Tensor to_rois(const std::vector<at::Tensor>& boxes) {
 // MultiScaleRoIAlign over levels '0'..'3' (_setup_scales, LevelMapper, _multiscale_roi_align).
 at::Tensor multiscale_roi_align(const std::vector<at::Tensor>& feats, const std::vector<at::Tensor>& boxes,
                                 const std::vector<std::array<int64_t, 2>>& sizes, int64_t out, int64_t sampling,
-                                bool aligned) {
+                                bool aligned, double canonical) {
   int64_t max_h = 0, max_w = 0;
   for (auto& s : sizes) max_h = std::max(max_h, s[0]), max_w = std::max(max_w, s[1]);
   std::vector<double> scales;
@@ -497,7 +497,7 @@ at::Tensor multiscale_roi_align(const std::vector<at::Tensor>& feats, const std:
   std::vector<at::Tensor> areas;
   for (auto& b : boxes) areas.push_back(ops::box_area(b));
   auto s = at::sqrt(at::cat(areas));
-  auto lvls = at::floor(at::log2(s / 224) + 4 + at::scalar_tensor(1e-6, s.options()));
+  auto lvls = at::floor(at::log2(s / canonical) + 4 + at::scalar_tensor(1e-6, s.options()));
   lvls = lvls.clamp(double(k_min), double(k_max)).to(at::kLong) - k_min;
   return ops::multiscale_roi_align(feats, rois, lvls, scales, out, out, sampling, aligned);
 }
@@ -733,7 +733,8 @@ RCNNResult GeneralizedRCNNImpl::forward(const ImageBatch& images, const std::vec
     }
     box_targets = encode_boxes(at::cat(reg_t_gt), at::cat(reg_t_props), o.bbox_reg_weights);
   }
-  auto box_features = multiscale_roi_align(levels4, proposals, images.sizes, 7, o.box_sampling_ratio, o.roi_aligned);
+  auto box_features = multiscale_roi_align(levels4, proposals, images.sizes, 7, o.box_sampling_ratio, o.roi_aligned,
+                                           o.roi_canonical_size);
   box_features = heads.box_head.forward(box_features);
   auto class_logits = heads.box_predictor->cls_score(box_features);
   auto box_regression = heads.box_predictor->bbox_pred(box_features);
@@ -785,7 +786,8 @@ RCNNResult GeneralizedRCNNImpl::forward(const ImageBatch& images, const std::vec
     } else {
       for (auto& d : res.detections) mask_props.push_back(d.boxes);
     }
-    auto mf = multiscale_roi_align(levels4, mask_props, images.sizes, 14, o.mask_sampling_ratio, o.roi_aligned);
+    auto mf = multiscale_roi_align(levels4, mask_props, images.sizes, 14, o.mask_sampling_ratio, o.roi_aligned,
+                                   o.roi_canonical_size);
     auto mask_logits = heads.mask_predictor->forward(heads.mask_head->size() ? heads.mask_head->forward(mf) : mf).to(at::kFloat);
     if (training) {  // maskrcnn_loss
       std::vector<at::Tensor> labels, mask_targets;

@@ -48,6 +48,8 @@ struct RCNNOptions {
   // aligned=True with sampling_ratio 0 (adaptive).
   int64_t box_sampling_ratio = 2, mask_sampling_ratio = 2;
   bool roi_aligned = false;
+  // LevelMapper's canonical box size (level 4 for a box of this side; torchvision's 224).
+  double roi_canonical_size = 224;
   // "smooth_l1" (torchvision, beta 1/9) or "l1" (Detectron2's default box regression loss).
   std::string box_loss = "smooth_l1";
   std::string rpn_box_loss = "smooth_l1";  // the RPN's: torchvision's smooth-L1 (beta 1/9) or L1 (Detectron2)
