@@ -13,7 +13,8 @@ v1 Mask R-CNN on resnet_fpn_backbone('resnet18') (imgtrain's maskrcnn_resnet18_f
 classes so that softmax scores pass the 0.05 threshold, and fasterrcnn_resnet18 (v1 box head only);
 maskrcnn_resnet18_fpn_narrow is the R18 Mask R-CNN with other widths (imgtrain's --fpn-channels 96
 --box-head-dim 384 --mask-head-dim 64 --mask-head-convs 2): BackboneWithFPN(out_channels=96),
-TwoMLPHead(96 * 7 * 7, 384), MaskRCNNHeads(96, [64, 64], 1), MaskRCNNPredictor(64, 64, 3).
+TwoMLPHead(96 * 7 * 7, 384), MaskRCNNHeads(96, [64, 64], 1), MaskRCNNPredictor(64, 64, 3), and
+its RoIs pooled with MultiScaleRoIAlign(canonical_scale=112) (imgtrain's --roi-canonical-size 112).
 """
 import os, sys
 
@@ -27,6 +28,7 @@ from torchvision.models import resnet18
 from torchvision.models.detection.backbone_utils import BackboneWithFPN, resnet_fpn_backbone
 from torchvision.models.detection.faster_rcnn import FastRCNNPredictor, TwoMLPHead
 from torchvision.models.detection.mask_rcnn import MaskRCNNHeads, MaskRCNNPredictor
+from torchvision.ops import MultiScaleRoIAlign
 
 out = sys.argv[1]
 os.makedirs(out, exist_ok=True)
@@ -58,7 +60,9 @@ def make(arch):
         bb = BackboneWithFPN(body, {"layer1": "0", "layer2": "1", "layer3": "2", "layer4": "3"}, [64, 128, 256, 512], 96)
         return MaskRCNN(bb, num_classes=None, min_size=256, max_size=400, box_head=TwoMLPHead(96 * 7 * 7, 384),
                         box_predictor=FastRCNNPredictor(384, 3), mask_head=MaskRCNNHeads(96, [64, 64], 1),
-                        mask_predictor=MaskRCNNPredictor(64, 64, 3))
+                        mask_predictor=MaskRCNNPredictor(64, 64, 3),
+                        box_roi_pool=MultiScaleRoIAlign(["0", "1", "2", "3"], 7, 2, canonical_scale=112),
+                        mask_roi_pool=MultiScaleRoIAlign(["0", "1", "2", "3"], 14, 2, canonical_scale=112))
     bb = resnet_fpn_backbone(backbone_name="resnet18", weights=None, norm_layer=nn.BatchNorm2d, trainable_layers=5)
     cls = MaskRCNN if arch.startswith("mask") else FasterRCNN
     return cls(bb, num_classes=3, min_size=256, max_size=400)

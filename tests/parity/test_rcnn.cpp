@@ -30,7 +30,7 @@ Refs load(const std::string& arch) {
   return {io::load_safetensors(std::string(IMGTRAIN_PARITY_DIR) + "/rcnn/" + arch + ".safetensors")};
 }
 
-// "<arch>_narrow": the model with make_rcnn_refs.py's other widths.
+// "<arch>_narrow": the model with make_rcnn_refs.py's other widths and level mapper.
 GeneralizedRCNN model_for(const std::string& ref, const Refs& r) {
   const std::string narrow = "_narrow";
   const bool is_narrow = ref.size() > narrow.size() && ref.ends_with(narrow);
@@ -42,6 +42,7 @@ GeneralizedRCNN model_for(const std::string& ref, const Refs& r) {
     o.box_head_dim = 384;
     o.mask_head_dim = 64;
     o.mask_head_convs = 2;
+    o.roi_canonical_size = 112;
   }
   o.deterministic_sampling = true;
   const auto d = rcnn_defaults(arch);  // what the builder sets (the MobileNetV3 detectors' RPN numbers)
@@ -207,7 +208,7 @@ TEST_CASE("Faster R-CNN R18-FPN training losses and gradients equal torchvision'
 TEST_CASE("Mask R-CNN R50-FPN v2 training losses and gradients equal torchvision's", "[parity][rcnn]") {
   train_parity("maskrcnn_resnet50_fpn_v2");
 }
-TEST_CASE("Mask R-CNN R18-FPN with other widths equals torchvision's in evaluation and training", "[parity][rcnn]") {
+TEST_CASE("Mask R-CNN R18-FPN with other widths and RoI level mapper equals torchvision's in evaluation and training", "[parity][rcnn]") {
   eval_parity("maskrcnn_resnet18_fpn_narrow");
   train_parity("maskrcnn_resnet18_fpn_narrow");
 }
