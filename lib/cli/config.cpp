@@ -318,6 +318,10 @@ const std::vector<Flag>& flags() {
        "MultiScaleRoIAlign's level mapper: a box of this side is pooled from level 4 (stride 16), one half its side "
        "from level 3 (torchvision's and Detectron2's 224)",
        BOTH | BENCH, {}, positive},
+      {"mask-rois-per-image", "", &Config::mask_rois_per_image,
+       "Mask R-CNN training: the mask head runs on at most this many of an image's positive RoIs, drawn at random "
+       "(0: all of them, as torchvision and Detectron2)",
+       TRAIN | BENCH, {}, non_negative},
       {"roi-align-v2", "", &Config::roi_align_v2, "RoIAlign with aligned=True (Detectron2's ROIAlignV2)", BOTH},
       {"box-loss", "", &Config::box_loss, "Box regression loss of the RoI head", TRAIN, {"smooth_l1", "l1"}},
       {"rpn-box-loss", "", &Config::rpn_box_loss, "Box regression loss of the RPN", TRAIN, {"smooth_l1", "l1"}},

@@ -180,6 +180,7 @@ struct Config {
   int64_t box_detections_per_img = 100;
   int64_t box_sampling_ratio = 2;
   double roi_canonical_size = 224;
+  int64_t mask_rois_per_image = 0;
   bool roi_align_v2 = false;
   std::string box_loss = "smooth_l1";
   std::string rpn_box_loss = "smooth_l1";

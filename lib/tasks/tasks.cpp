@@ -219,6 +219,7 @@ model_zoo::detection::RCNNOptions rcnn_options(const cli::Config& cfg, int64_t n
   o.box_sampling_ratio = o.mask_sampling_ratio = cfg.box_sampling_ratio;
   o.roi_aligned = cfg.roi_align_v2;
   o.roi_canonical_size = cfg.roi_canonical_size;
+  o.mask_rois_per_image = cfg.mask_rois_per_image;
   o.box_loss = cfg.box_loss;
   o.rpn_box_loss = cfg.rpn_box_loss;
   o.fpn_channels = cfg.fpn_channels;

@@ -798,6 +798,17 @@ RCNNResult GeneralizedRCNNImpl::forward(const ImageBatch& images, const std::vec
     if (training) {
       for (int64_t i = 0; i < N; ++i) {
         auto pos = at::where(box_labels[size_t(i)].gt(0))[0];
+        if (o.mask_rois_per_image > 0 && pos.numel() > o.mask_rois_per_image) {
+          // a random subset of the positives (the first ones with deterministic sampling), kept in
+          // their order
+          const auto cpu = at::TensorOptions().dtype(at::kLong);
+          at::Tensor pick;
+          if (o.deterministic_sampling) pick = at::arange(o.mask_rois_per_image, cpu);
+          else if (generator) pick = at::randperm(pos.numel(), *generator, cpu);
+          else pick = at::randperm(pos.numel(), cpu);
+          pick = std::get<0>(pick.slice(0, 0, o.mask_rois_per_image).sort());
+          pos = pos.index_select(0, pick.to(pos.device()));
+        }
         mask_props.push_back(proposals[size_t(i)].index_select(0, pos));
         pos_matched.push_back(matched_idxs[size_t(i)].index_select(0, pos));
       }

@@ -47,6 +47,8 @@ struct RCNNOptions {
   // MultiScaleRoIAlign: torchvision's sampling 2 with aligned=False; Detectron2's ROIAlignV2 is
   // aligned=True with sampling_ratio 0 (adaptive).
   int64_t box_sampling_ratio = 2, mask_sampling_ratio = 2;
+  // Training: positive RoIs per image the mask head runs on (0: every positive, torchvision's).
+  int64_t mask_rois_per_image = 0;
   bool roi_aligned = false;
   // LevelMapper's canonical box size (level 4 for a box of this side; torchvision's 224).
   double roi_canonical_size = 224;

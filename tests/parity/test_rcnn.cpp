@@ -8,6 +8,7 @@
 
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <map>
 #include <fmt/format.h>
 #include <torch/torch.h>
 
@@ -31,7 +32,7 @@ Refs load(const std::string& arch) {
 }
 
 // "<arch>_narrow": the model with make_rcnn_refs.py's other widths and level mapper.
-GeneralizedRCNN model_for(const std::string& ref, const Refs& r) {
+GeneralizedRCNN model_for(const std::string& ref, const Refs& r, int64_t mask_rois_per_image = 0) {
   const std::string narrow = "_narrow";
   const bool is_narrow = ref.size() > narrow.size() && ref.ends_with(narrow);
   const std::string arch = is_narrow ? ref.substr(0, ref.size() - narrow.size()) : ref;
@@ -45,6 +46,7 @@ GeneralizedRCNN model_for(const std::string& ref, const Refs& r) {
     o.roi_canonical_size = 112;
   }
   o.deterministic_sampling = true;
+  o.mask_rois_per_image = mask_rois_per_image;
   const auto d = rcnn_defaults(arch);  // what the builder sets (the MobileNetV3 detectors' RPN numbers)
   o.rpn_pre_nms_top_n_test = d.rpn_pre_nms_top_n_test;
   o.rpn_post_nms_top_n_test = d.rpn_post_nms_top_n_test;
@@ -166,6 +168,33 @@ void train_parity_empty(const std::string& arch) {
 }
 
 }  // namespace
+
+TEST_CASE("Mask R-CNN with --mask-rois-per-image caps the mask head's RoIs and changes nothing else", "[parity][rcnn]") {
+  const auto r = load("maskrcnn_resnet18_fpn");
+  const auto b = batch(r);
+  std::vector<Target> targets;
+  for (int j = 0; j < 2; ++j) {
+    const std::string p = fmt::format("t{}_", j);
+    targets.push_back({r.get(p + "boxes"), r.get(p + "labels"), r.get(p + "masks")});
+  }
+  auto losses = [&](int64_t cap) {
+    auto m = model_for("maskrcnn_resnet18_fpn", r, cap);
+    m->train();
+    std::map<std::string, double> out;
+    for (auto& [k, v] : m->forward(b, &targets).losses) out[k] = v.item<double>();
+    return out;
+  };
+  const auto all = losses(0), above = losses(100000), one = losses(1);
+  // a cap above the positives' count is no cap: torchvision's numbers (train_parity holds cap 0 to them)
+  CHECK(all == above);
+  REQUIRE(one.size() == all.size());
+  for (auto& [k, v] : all) {
+    INFO(k << ": " << one.at(k) << " capped, " << v << " not");
+    CHECK(std::isfinite(one.at(k)));
+    if (k == "loss_mask") CHECK(one.at(k) != v);  // the mean over one RoI per image
+    else CHECK(one.at(k) == v);                   // the samplers and every other loss are untouched
+  }
+}
 
 TEST_CASE("Mask R-CNN R18-FPN evaluation equals torchvision's", "[parity][rcnn]") { eval_parity("maskrcnn_resnet18_fpn"); }
 TEST_CASE("Faster R-CNN R18-FPN evaluation equals torchvision's", "[parity][rcnn]") {
