@@ -59,6 +59,7 @@ std::map<std::string, std::string> CheckpointMeta::to_metadata() const {
   put_int("box_head_dim", box_head_dim);
   put_int("mask_head_dim", mask_head_dim);
   put_int("mask_head_convs", mask_head_convs);
+  put_double("roi_canonical_size", roi_canonical_size);
   put_int("epoch", epoch);
   put_int("num_updates", num_updates);
   put_int("recovery_update", recovery_update);
@@ -117,6 +118,8 @@ CheckpointMeta CheckpointMeta::from_metadata(const std::map<std::string, std::st
   m.box_head_dim = in_range("box_head_dim", get_int("box_head_dim"), 1, 4096, "an integer in [1, 4096]");
   m.mask_head_dim = in_range("mask_head_dim", get_int("mask_head_dim"), 1, 4096, "an integer in [1, 4096]");
   m.mask_head_convs = in_range("mask_head_convs", get_int("mask_head_convs"), 0, 16, "an integer in [0, 16]");
+  m.roi_canonical_size =
+      in_range("roi_canonical_size", get_double("roi_canonical_size"), 1, 1e5, "a number in [1, 100000]");
   m.epoch = get_int("epoch");  // the training position: checked where it is used (require_training)
   m.num_updates = get_int("num_updates");
   m.recovery_update = get_int("recovery_update");

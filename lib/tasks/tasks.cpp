@@ -250,6 +250,7 @@ engine::CheckpointMeta detection_meta(const std::string& arch, int64_t num_class
   m.box_head_dim = cfg.box_head_dim;
   m.mask_head_dim = cfg.mask_head_dim;
   m.mask_head_convs = cfg.mask_head_convs;
+  m.roi_canonical_size = cfg.roi_canonical_size;
   m.task = "detection";
   m.num_classes = num_classes;
   m.in_chans = 3;
@@ -312,7 +313,7 @@ TaskSetup detection_setup(const cli::Config& given, int64_t rank, int64_t world)
 TaskSetup detection_validate_setup(const cli::Config& given, const engine::CheckpointMeta* meta,
                                    const std::string& arch) {
   cli::Config cfg = with_model_defaults(given, arch);
-  // The widths the checkpoint's detector was trained with, unless a flag names them.
+  // The widths (and level mapper) the checkpoint's detector was trained with, unless a flag names them.
   auto width = [&](const char* flag, int64_t& v, const std::optional<int64_t>& from_meta) {
     if (meta && from_meta && !cfg.was_given(flag) && !cfg.in_file.count(flag)) v = *from_meta;
   };
@@ -321,6 +322,8 @@ TaskSetup detection_validate_setup(const cli::Config& given, const engine::Check
     width("box-head-dim", cfg.box_head_dim, meta->box_head_dim);
     width("mask-head-dim", cfg.mask_head_dim, meta->mask_head_dim);
     width("mask-head-convs", cfg.mask_head_convs, meta->mask_head_convs);
+    if (meta->roi_canonical_size && !cfg.was_given("roi-canonical-size") && !cfg.in_file.count("roi-canonical-size"))
+      cfg.roi_canonical_size = *meta->roi_canonical_size;
   }
   TaskSetup s;
   const bool masks = model_zoo::detection::rcnn_has_mask(arch);

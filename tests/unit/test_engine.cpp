@@ -179,6 +179,7 @@ TEST_CASE("the checkpoint format round-trips every field and tensor", "[engine][
   m.best_epoch = 6;
   m.plateau = "0.01 0.5 2";
   m.args = "model: regressor\n";
+  m.roi_canonical_size = 112;
   engine::TrainStateRefs s;
   s.model = model.get();
   s.ema = ema.get();
@@ -206,6 +207,7 @@ TEST_CASE("the checkpoint format round-trips every field and tensor", "[engine][
   CHECK(r.best_epoch == m.best_epoch);
   CHECK(r.plateau == m.plateau);
   CHECK(r.args == m.args);
+  CHECK(r.roi_canonical_size == m.roi_canonical_size);
   CHECK(r.is_training());
   CHECK(engine::Checkpoint::read_meta(path).to_metadata() == m.to_metadata());
   // Tensors: the weights load into fresh modules and equal the originals.
@@ -239,7 +241,7 @@ TEST_CASE("the checkpoint format round-trips every field and tensor", "[engine][
   // numbers outside what the flags accept are refused by key, naming the file
   for (auto [k, v] : std::vector<std::pair<std::string, std::string>>{
            {"img_size", "-3"}, {"img_size", "100000"}, {"crop_pct", "0"}, {"crop_pct", "nan"}, {"num_classes", "0"},
-           {"in_chans", "2"}}) {
+           {"in_chans", "2"}, {"roi_canonical_size", "0"}}) {
     INFO(k << " = " << v);
     CHECK_THROWS_WITH(engine::CheckpointMeta::from_metadata({{k, v}}, "x.safetensors"),
                       Catch::Contains("'x.safetensors': metadata '" + k + "' is '"));
