@@ -666,6 +666,9 @@ TEST_CASE("the detection recipes parse: torchvision's, Detectron2's R101 3x, and
   CHECK(imgtrain::cli::to_yaml(Command::Train, o2) == imgtrain::cli::to_yaml(Command::Train, d2));
   auto cpu = train({"-c", dir + "maskrcnn_resnet18_fpn_cpu.yaml"});
   CHECK(cpu.model == "maskrcnn_resnet18_fpn");
+  CHECK(cpu.max_iter == 5200);
+  CHECK(cpu.mask_rois_per_image == 8);
+  CHECK(cpu.channels_last);
 }
 
 TEST_CASE("a detector's own defaults apply unless the command line or the -c file sets them", "[cli][detectron2]") {
