@@ -208,7 +208,7 @@ inline void scatter_tap(T* __restrict dst, const T* __restrict src, T w, T count
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #endif
 void scatter_tap(float* __restrict dst, const float* __restrict src, float w, float count, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] += src[i] * w / count;
+  scatter_tap<float>(dst, src, w, count, n);
 }
 
 // Backward, on channels-last maps (the caller converts NCHW ones: a tap's channels are then one
