@@ -147,8 +147,10 @@ EpochResult train_one_epoch(Task& task, torch::nn::Module& model, data::Loader& 
     }
   }
   // Seconds left in the epoch and in the run, from the average update time so far (updates after
-  // this epoch's last at the same pace, plus the evaluations still to come).
+  // this epoch's last at the same pace, plus the evaluations still to come). --max-iter can end
+  // the run inside this epoch.
   auto estimate = [&](int64_t updates_left_in_epoch) {
+    if (o.max_updates > 0) updates_left_in_epoch = std::min(updates_left_in_epoch, o.max_updates - num_updates);
     const double per_update = update_time.avg();
     const double epoch_left = per_update * double(std::max<int64_t>(0, updates_left_in_epoch));
     return std::pair{epoch_left, epoch_left + per_update * double(o.updates_after_epoch) + o.eval_seconds_left};
