@@ -5,9 +5,10 @@ real Fashion-MNIST pictures (no download; reads the local gzip IDX files).
 Each canvas (width/height drawn within +-25% of --size) gets a dark background
 (noise or a soft gradient) and 1-5 Fashion-MNIST items (train IDX for train2017,
 t10k for val2017), each scaled 1-3x (bilinear), optionally tinted, pasted fully
-inside the canvas; later items occlude earlier ones.  Mask = scaled pixels > 40
-minus occlusion; items with < 30 visible pixels are dropped.  About half of the
-annotations carry polygons (Moore-neighbour traced outer boundaries, checked
+inside the canvas.  Mask = scaled pixels > 40 minus what later items cover.  An item
+is opaque inside its mask (colour x the picture's intensity), so what its mask hides
+is hidden in the picture too; the faint rim below the threshold blends in.  Items
+with < 30 visible pixels are dropped.  About half of the annotations carry polygons (Moore-neighbour traced outer boundaries, checked
 with pycocotools to have IoU > 0.6 with the true mask, else RLE), the rest uncompressed
 RLE.  About 5% of images hold one iscrowd=1 region: a tight cluster of 3-4
 small items of one class, annotated as a single RLE union mask.
@@ -209,9 +210,12 @@ def make_split(name, n, first_id, images, labels, rng, size, k, out_dir):
             color = color * (255.0 / color.max())  # bright tint: max channel 255
             for src, side, x, y in parts:
                 patch = np.asarray(Image.fromarray(images[src]).resize((side, side), Image.BILINEAR))
-                a = (patch.astype(np.float32) / 255.0)[..., None]
+                shade = (patch.astype(np.float32) / 255.0)[..., None]
+                # Opaque inside the item's mask (what lies below is hidden, as its mask says),
+                # shaded by the picture's intensity; the faint rim outside the mask blends in.
+                a = np.where(patch[..., None] > THRESH, np.float32(1.0), shade)
                 region = canvas[y:y + side, x:x + side]
-                canvas[y:y + side, x:x + side] = region * (1 - a) + color.astype(np.float32) * a
+                canvas[y:y + side, x:x + side] = region * (1 - a) + color.astype(np.float32) * shade
                 owner[y:y + side, x:x + side][patch > THRESH] = oid
         Image.fromarray(np.clip(np.rint(canvas), 0, 255).astype(np.uint8), "RGB").save(
             os.path.join(img_dir, f"{img_id:012d}.png"))
