@@ -362,6 +362,8 @@ int benchmark_detection(const cli::Config& cfg, torch::Device device) {
   o.box_head_dim = cfg.box_head_dim;
   o.mask_head_dim = cfg.mask_head_dim;
   o.mask_head_convs = cfg.mask_head_convs;
+  o.roi_canonical_size = cfg.roi_canonical_size;  // flags that say they apply to the benchmark too
+  o.mask_rois_per_image = cfg.mask_rois_per_image;
   // --trainable-backbone-layers N: the fine-tuning configuration, a body started from weights
   // (FrozenBatchNorm2d, the layers before the last N frozen), as torchvision builds it with
   // weights_backbone; without it the builder's weights=None one (BatchNorm2d, every layer trained).
