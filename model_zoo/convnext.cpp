@@ -68,16 +68,16 @@ struct ConvNeXtBlockImpl : torch::nn::Module, InferenceFusion {
   // step or a load between evaluations moves their version counters)
   at::Tensor fc2_folded_w, fc2_folded_b;
   LinearPack fc1_pack, fc2_pack;
-  std::array<std::pair<const void*, uint32_t>, 3> folded_from{};
+  std::array<TensorStamp, 3> folded_from;  // fc2.weight, fc2.bias, gamma
   void fold_gamma() {
-    const std::array<std::pair<const void*, uint32_t>, 3> now = {
-        std::pair{fc2->weight.data_ptr(), fc2->weight._version()}, std::pair{fc2->bias.data_ptr(), fc2->bias._version()},
-        std::pair{gamma.data_ptr(), gamma._version()}};
-    if (fc2_folded_w.defined() && now == folded_from) return;
+    const std::array<const at::Tensor*, 3> now = {&fc2->weight, &fc2->bias, &gamma};
+    bool same = fc2_folded_w.defined();
+    for (size_t i = 0; i < now.size(); ++i) same = same && folded_from[i].matches(*now[i]);
+    if (same) return;
     at::NoGradGuard no_grad;
     fc2_folded_w = fc2->weight * gamma.unsqueeze(1);
     fc2_folded_b = fc2->bias * gamma;
-    folded_from = now;
+    for (size_t i = 0; i < now.size(); ++i) folded_from[i].take(*now[i]);
   }
 };
 TORCH_MODULE(ConvNeXtBlock);

@@ -350,17 +350,13 @@ bool linear_fusable(const at::Tensor& x) {
 namespace {
 const at::Tensor& packed_weight(const at::Tensor& w, int64_t rows, LinearPack* pack) {
   if (!pack) return w;
-  if (pack->packed.defined() && pack->source.is_same(w) && pack->data == w.data_ptr() &&
-      pack->version == w._version())
-    return pack->packed;
+  if (pack->packed.defined() && pack->from.matches(w)) return pack->packed;
   static const auto reorder = c10::Dispatcher::singleton().findSchema({"mkldnn::_reorder_linear_weight", ""});
   if (!reorder) return w;
   torch::jit::Stack st{w.detach(), rows};
   reorder->callBoxed(&st);
   pack->packed = st[0].toTensor();
-  pack->source = w;
-  pack->data = w.data_ptr();
-  pack->version = w._version();
+  pack->from.take(w);
   return pack->packed;
 }
 int64_t rows_of(const at::Tensor& x) { return x.numel() / std::max<int64_t>(x.size(-1), 1); }

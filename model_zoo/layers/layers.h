@@ -77,10 +77,25 @@ at::Tensor conv_bn_act(torch::nn::Conv2dImpl& conv, imgtrain::BatchNorm2dImpl& b
 // With a LinearPack the fused call reads the weight in oneDNN's own layout, made on the first call
 // and again only when the weight changes (in place: its version moves; or replaced): oneDNN's
 // linear otherwise reorders a plain weight on every call (4-9% of its time at ViT-S's shapes).
-struct LinearPack {
-  at::Tensor packed, source;  // source: the weight it was made from (held, so never a reused address)
+// What a cached tensor was made from: that tensor (held, so its address is never reused), its
+// storage pointer and its version (an in-place change moves it). A parameter replaced or changed in
+// place no longer matches.
+struct TensorStamp {
+  at::Tensor source;
   const void* data = nullptr;
   uint32_t version = 0;
+  bool matches(const at::Tensor& t) const {
+    return source.defined() && source.is_same(t) && data == t.data_ptr() && version == t._version();
+  }
+  void take(const at::Tensor& t) {
+    source = t;
+    data = t.data_ptr();
+    version = uint32_t(t._version());
+  }
+};
+struct LinearPack {
+  at::Tensor packed;
+  TensorStamp from;  // the weight it was made from
 };
 bool linear_fusable(const at::Tensor& x);
 at::Tensor linear_act(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, Act act,
