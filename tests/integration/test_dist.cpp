@@ -147,9 +147,18 @@ TEST_CASE("detection: 2 processes x 1 image equal 1 process x 2 images (grouped 
   auto one = test::run("OMP_NUM_THREADS=1 " + kBin + common + " -b 2 --experiment one");
   INFO(one.output);
   REQUIRE(one.code == 0);
-  // After one update the momentum buffers are the averaged gradients (+ weight decay); float32
-  // reductions over one image or two differ in their last bits.
-  CHECK(check_close(d / "two/last.safetensors", d / "one/last.safetensors", 1e-5) > 50);
+  // The data-parallel step is one process accumulating the two images' gradients, bit for bit.
+  auto acc = test::run("OMP_NUM_THREADS=1 " + kBin + common + " -b 1 --grad-accum-steps 2 --experiment acc");
+  INFO(acc.output);
+  REQUIRE(acc.code == 0);
+  CHECK(identical(d / "two/last.safetensors", d / "acc/last.safetensors", "model."));
+  CHECK(identical(d / "two/last.safetensors", d / "acc/last.safetensors", "optim."));
+  // After one update the momentum buffers are the averaged gradients (+ weight decay). A batch of
+  // two images against two batches of one changes the float32 reduction order of the weight
+  // gradients over the RoIs and positions (the mask head's: 1.8e-4 of the tensor's scale on the
+  // generated set's first canvas, against 1.4e-6 between 1 and 2 threads); an error in the
+  // normalisation or the averaging is a factor, not a last bit.
+  CHECK(check_close(d / "two/last.safetensors", d / "one/last.safetensors", 1e-3) > 50);
 }
 
 TEST_CASE("2 processes x b with accumulation equal 1 process x 2b over several updates (no BN)", "[dist]") {
