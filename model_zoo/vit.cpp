@@ -45,7 +45,10 @@ struct AttentionImpl : torch::nn::Module {
   at::Tensor forward(const at::Tensor& x, const at::Tensor& residual = {}) {
     const int64_t b = x.size(0), n = x.size(1), c = x.size(2);
     auto qkv_ = qkv(x).reshape({b, n, 3, heads, c / heads}).permute({2, 0, 3, 1, 4});
-    auto q = qkv_[0], k = qkv_[1], v = qkv_[2];
+    // unbind, not three selects: its backward stacks the three gradients into one tensor, where each
+    // select's backward zero-fills a full-size gradient, copies into it and adds the three up
+    const auto parts = qkv_.unbind(0);
+    const auto &q = parts[0], &k = parts[1], &v = parts[2];
     auto o = at::scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape({b, n, c});
     return residual.defined() ? linear_add(o, proj->weight, proj->bias, residual, &proj_pack) : proj(o);
   }
