@@ -8,9 +8,9 @@ t10k for val2017), each scaled 1-3x (bilinear), optionally tinted, pasted fully
 inside the canvas.  Mask = scaled pixels > 40 minus what later items cover.  An item
 is opaque inside its mask (colour x the picture's intensity), so what its mask hides
 is hidden in the picture too; the faint rim below the threshold blends in.  Items
-with < 30 visible pixels are dropped.  About half of the annotations carry polygons (Moore-neighbour traced outer boundaries, checked
-with pycocotools to have IoU > 0.6 with the true mask, else RLE), the rest uncompressed
-RLE.  About 5% of images hold one iscrowd=1 region: a tight cluster of 3-4
+with < 30 visible pixels are dropped.  About half of the annotations carry polygons
+(Moore-neighbour traced outer boundaries, checked with pycocotools to have IoU > 0.6
+with the true mask, else RLE), the rest uncompressed RLE.  About 5% of images hold one iscrowd=1 region: a tight cluster of 3-4
 small items of one class, annotated as a single RLE union mask.
 
 Writes OUT_DIR/{train2017,val2017}/NNNNNNNNNNNN.png and
