@@ -60,6 +60,8 @@ std::map<std::string, std::string> CheckpointMeta::to_metadata() const {
   put_int("mask_head_dim", mask_head_dim);
   put_int("mask_head_convs", mask_head_convs);
   put_double("roi_canonical_size", roi_canonical_size);
+  put_int("box_sampling_ratio", box_sampling_ratio);
+  put_int("roi_align_v2", roi_align_v2);
   put_int("epoch", epoch);
   put_int("num_updates", num_updates);
   put_int("recovery_update", recovery_update);
@@ -120,6 +122,9 @@ CheckpointMeta CheckpointMeta::from_metadata(const std::map<std::string, std::st
   m.mask_head_convs = in_range("mask_head_convs", get_int("mask_head_convs"), 0, 16, "an integer in [0, 16]");
   m.roi_canonical_size =
       in_range("roi_canonical_size", get_double("roi_canonical_size"), 1, 1e5, "a number in [1, 100000]");
+  m.box_sampling_ratio =
+      in_range("box_sampling_ratio", get_int("box_sampling_ratio"), 0, 1024, "an integer in [0, 1024]");
+  m.roi_align_v2 = in_range("roi_align_v2", get_int("roi_align_v2"), 0, 1, "0 or 1");
   m.epoch = get_int("epoch");  // the training position: checked where it is used (require_training)
   m.num_updates = get_int("num_updates");
   m.recovery_update = get_int("recovery_update");

@@ -38,6 +38,8 @@ struct CheckpointMeta {
   // a detector's widths (--fpn-channels, --box-head-dim, --mask-head-dim, --mask-head-convs)
   std::optional<int64_t> fpn_channels, box_head_dim, mask_head_dim, mask_head_convs;
   std::optional<double> roi_canonical_size;  // and its RoI level mapper (--roi-canonical-size)
+  // and its RoIAlign: --box-sampling-ratio, --roi-align-v2 (1: aligned=True)
+  std::optional<int64_t> box_sampling_ratio, roi_align_v2;
   // the training position
   std::optional<int64_t> epoch, num_updates;
   std::optional<int64_t> recovery_update;  // a mid-epoch checkpoint: the last update done

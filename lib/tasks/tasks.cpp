@@ -251,6 +251,8 @@ engine::CheckpointMeta detection_meta(const std::string& arch, int64_t num_class
   m.mask_head_dim = cfg.mask_head_dim;
   m.mask_head_convs = cfg.mask_head_convs;
   m.roi_canonical_size = cfg.roi_canonical_size;
+  m.box_sampling_ratio = cfg.box_sampling_ratio;
+  m.roi_align_v2 = cfg.roi_align_v2 ? 1 : 0;
   m.task = "detection";
   m.num_classes = num_classes;
   m.in_chans = 3;
@@ -324,6 +326,9 @@ TaskSetup detection_validate_setup(const cli::Config& given, const engine::Check
     width("mask-head-convs", cfg.mask_head_convs, meta->mask_head_convs);
     if (meta->roi_canonical_size && !cfg.was_given("roi-canonical-size") && !cfg.in_file.count("roi-canonical-size"))
       cfg.roi_canonical_size = *meta->roi_canonical_size;
+    width("box-sampling-ratio", cfg.box_sampling_ratio, meta->box_sampling_ratio);
+    if (meta->roi_align_v2 && !cfg.was_given("roi-align-v2") && !cfg.in_file.count("roi-align-v2"))
+      cfg.roi_align_v2 = *meta->roi_align_v2 != 0;
   }
   TaskSetup s;
   const bool masks = model_zoo::detection::rcnn_has_mask(arch);

@@ -1409,6 +1409,9 @@ TEST:
   CHECK_THAT(r.output, Catch::Contains("Final bbox_AP: "));
   const auto meta = engine::Checkpoint::read_meta(out / "d2/last.safetensors");
   CHECK(meta.num_updates == 15);
+  // the pooling is in the checkpoint, for validate --checkpoint to rebuild the same model
+  CHECK(meta.roi_align_v2 == 1);
+  CHECK(meta.box_sampling_ratio == 0);
   const std::string args = test::read_file(out / "d2/args.yaml");
   CHECK_THAT(args, Catch::Contains("model: \"maskrcnn_resnet18_fpn\"") && Catch::Contains("roi_align_v2: true") &&
                        Catch::Contains("box_sampling_ratio: 0") && Catch::Contains("box_loss: \"l1\"") &&

@@ -180,6 +180,8 @@ TEST_CASE("the checkpoint format round-trips every field and tensor", "[engine][
   m.plateau = "0.01 0.5 2";
   m.args = "model: regressor\n";
   m.roi_canonical_size = 112;
+  m.box_sampling_ratio = 0;
+  m.roi_align_v2 = 1;
   engine::TrainStateRefs s;
   s.model = model.get();
   s.ema = ema.get();
@@ -208,6 +210,8 @@ TEST_CASE("the checkpoint format round-trips every field and tensor", "[engine][
   CHECK(r.plateau == m.plateau);
   CHECK(r.args == m.args);
   CHECK(r.roi_canonical_size == m.roi_canonical_size);
+  CHECK(r.box_sampling_ratio == m.box_sampling_ratio);
+  CHECK(r.roi_align_v2 == m.roi_align_v2);
   CHECK(r.is_training());
   CHECK(engine::Checkpoint::read_meta(path).to_metadata() == m.to_metadata());
   // Tensors: the weights load into fresh modules and equal the originals.
@@ -241,7 +245,7 @@ TEST_CASE("the checkpoint format round-trips every field and tensor", "[engine][
   // numbers outside what the flags accept are refused by key, naming the file
   for (auto [k, v] : std::vector<std::pair<std::string, std::string>>{
            {"img_size", "-3"}, {"img_size", "100000"}, {"crop_pct", "0"}, {"crop_pct", "nan"}, {"num_classes", "0"},
-           {"in_chans", "2"}, {"roi_canonical_size", "0"}}) {
+           {"in_chans", "2"}, {"roi_canonical_size", "0"}, {"roi_align_v2", "2"}, {"box_sampling_ratio", "-1"}}) {
     INFO(k << " = " << v);
     CHECK_THROWS_WITH(engine::CheckpointMeta::from_metadata({{k, v}}, "x.safetensors"),
                       Catch::Contains("'x.safetensors': metadata '" + k + "' is '"));
