@@ -316,19 +316,18 @@ TaskSetup detection_validate_setup(const cli::Config& given, const engine::Check
                                    const std::string& arch) {
   cli::Config cfg = with_model_defaults(given, arch);
   // The widths (and level mapper) the checkpoint's detector was trained with, unless a flag names them.
-  auto width = [&](const char* flag, int64_t& v, const std::optional<int64_t>& from_meta) {
-    if (meta && from_meta && !cfg.was_given(flag) && !cfg.in_file.count(flag)) v = *from_meta;
+  auto width = [&](const char* flag, auto& v, const auto& from_meta) {
+    if (meta && from_meta && !cfg.was_given(flag) && !cfg.in_file.count(flag))
+      v = static_cast<std::decay_t<decltype(v)>>(*from_meta);
   };
   if (meta) {
     width("fpn-channels", cfg.fpn_channels, meta->fpn_channels);
     width("box-head-dim", cfg.box_head_dim, meta->box_head_dim);
     width("mask-head-dim", cfg.mask_head_dim, meta->mask_head_dim);
     width("mask-head-convs", cfg.mask_head_convs, meta->mask_head_convs);
-    if (meta->roi_canonical_size && !cfg.was_given("roi-canonical-size") && !cfg.in_file.count("roi-canonical-size"))
-      cfg.roi_canonical_size = *meta->roi_canonical_size;
+    width("roi-canonical-size", cfg.roi_canonical_size, meta->roi_canonical_size);
     width("box-sampling-ratio", cfg.box_sampling_ratio, meta->box_sampling_ratio);
-    if (meta->roi_align_v2 && !cfg.was_given("roi-align-v2") && !cfg.in_file.count("roi-align-v2"))
-      cfg.roi_align_v2 = *meta->roi_align_v2 != 0;
+    width("roi-align-v2", cfg.roi_align_v2, meta->roi_align_v2);
   }
   TaskSetup s;
   const bool masks = model_zoo::detection::rcnn_has_mask(arch);
