@@ -3,6 +3,7 @@
 #include "core/error.h"
 #include "model_zoo/layers/layers.h"
 #include "model_zoo/registry.h"
+#include "ops/depthwise.h"
 
 #include <torch/torch.h>
 
@@ -49,7 +50,7 @@ struct ConvNeXtBlockImpl : torch::nn::Module, InferenceFusion {
     gamma = register_parameter("gamma", torch::full({dim}, ls_init));
   }
   at::Tensor forward(const at::Tensor& in) {
-    auto x = conv_dw(in).permute({0, 2, 3, 1});
+    auto x = depthwise(in).permute({0, 2, 3, 1});
     if (fuse_infer && !is_training() && linear_fusable(x)) {  // eval: GELU as fc1's post-op, gamma in fc2
       auto h = linear_act(norm(x), fc1->weight, fc1->bias, Act::GELU, &fc1_pack);
       fold_gamma();
@@ -62,6 +63,16 @@ struct ConvNeXtBlockImpl : torch::nn::Module, InferenceFusion {
     x = fc2(torch::gelu(fc1(norm(x)))).permute({0, 3, 1, 2});
     x = x.mul(gamma.reshape({1, -1, 1, 1}));
     return drop_path(x, dpr, is_training()) + in;
+  }
+
+  // The 7x7 depthwise convolution; in training with autograd, through imgtrain's weight gradient
+  // (ops/depthwise.h: ATen's took 10-20x the forward on the CPU), the forward and input gradient
+  // ATen's as before.
+  at::Tensor depthwise(const at::Tensor& in) {
+    const auto& w = conv_dw->weight;
+    if (is_training() && at::GradMode::is_enabled() && ops::depthwise_conv_supported(in, w, 1, 3, 1, in.size(1)))
+      return ops::depthwise_conv_train(in, w, conv_dw->bias, 1, 3);
+    return conv_dw(in);
   }
 
   // fc2's weight and bias times gamma, made again only when one of the three changed (an optimizer

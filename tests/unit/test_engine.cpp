@@ -13,6 +13,7 @@
 #include "model_zoo/layers/layers.h"
 #include "model_zoo/registry.h"
 #include "ops/norm_act.h"
+#include "ops/depthwise.h"
 #include "ops/se_gate.h"
 #include "optim/optim.h"
 #include "core/rng.h"
@@ -1224,6 +1225,93 @@ TEST_CASE("training fusion: squeeze-and-excite as one function equals torch's op
   CHECK_FALSE(ops::se_gate_supported(torch::randn({2, 3, 4, 4}), torch::randn({1, 3, 1, 1}).to(at::kDouble)));
   CHECK_FALSE(ops::se_gate_supported(torch::randn({2, 3, 4, 4}).to(at::kBFloat16), torch::randn({1, 3, 1, 1})));
   CHECK_FALSE(ops::se_gate_supported(torch::randn({2, 3, 4, 4}).transpose(2, 3), torch::randn({1, 3, 1, 1})));
+}
+
+TEST_CASE("depthwise convolution: imgtrain's weight gradient equals ATen's, forward and backward", "[ops][models]") {
+  // shapes: one full 16-channel block, a tail of 3 channels, planes narrower than the filter, a
+  // plane of one row, more than one block with a tail of the 8 doubles
+  const std::vector<std::vector<int64_t>> shapes = {{2, 16, 9, 11}, {3, 19, 7, 5}, {1, 40, 3, 3}, {2, 5, 1, 6}, {2, 37, 12, 12}};
+  for (auto dtype : {at::kFloat, at::kDouble})
+    for (const auto& shape : shapes)
+      for (int64_t k : {3, 5, 7})
+        for (int64_t stride : {1, 2})
+          for (int64_t pad : {k / 2, int64_t(0), int64_t(1)})
+            for (bool cl : {false, true})
+              for (bool bias : {true, false}) {
+                torch::manual_seed(11);
+                const int64_t C = shape[1];
+                auto fmt = cl ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
+                auto x0 = torch::randn(shape).to(dtype).contiguous(fmt);
+                auto w0 = torch::randn({C, 1, k, k}).to(dtype), b0 = torch::randn({C}).to(dtype);
+                if (!ops::depthwise_conv_supported(x0, w0, stride, pad, 1, C)) {
+                  // only where the padded plane is smaller than the filter
+                  CHECK((shape[2] + 2 * pad < k || shape[3] + 2 * pad < k));
+                  continue;
+                }
+                INFO("dtype " << dtype << " shape " << shape << " k " << k << " stride " << stride << " pad " << pad
+                              << " channels-last " << cl << " bias " << bias);
+                at::Tensor g;
+                auto run = [&](bool ours) {
+                  auto x = x0.clone().requires_grad_(true), w = w0.clone().requires_grad_(true);
+                  auto b = bias ? b0.clone().requires_grad_(true) : at::Tensor();
+                  auto y = ours ? ops::depthwise_conv_train(x, w, b, stride, pad)
+                                : at::conv2d(x, w, b, {stride, stride}, {pad, pad}, {1, 1}, C);
+                  if (!g.defined()) g = torch::randn(y.sizes()).to(dtype);
+                  y.backward(g);
+                  return std::vector<at::Tensor>{y.detach(), x.grad(), w.grad(), bias ? b.grad() : torch::zeros({1})};
+                };
+                const auto want = run(false), got = run(true);
+                CHECK(torch::equal(got[0], want[0]));  // the forward is ATen's
+                const double tol = dtype == at::kDouble ? 1e-12 : 2e-5;
+                const char* what[] = {"output", "grad x", "grad w", "grad b"};
+                for (size_t i = 1; i < want.size(); ++i) {
+                  INFO(what[i]);
+                  REQUIRE(got[i].sizes() == want[i].sizes());
+                  CHECK(rel_err(got[i], want[i]) < tol);
+                }
+              }
+  // where every product and sum is exact (halves and quarters), the weight and bias gradients are
+  // ATen's bit for bit: a wrong tap, offset or border fails here whatever the tolerance above
+  for (bool cl : {false, true}) {
+    torch::manual_seed(12);
+    auto fmt = cl ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
+    auto x0 = (torch::randint(-4, 5, {3, 21, 10, 13}) / 2.0).contiguous(fmt);
+    auto w0 = torch::randint(-2, 3, {21, 1, 7, 7}) / 4.0, b0 = torch::randint(-2, 3, {21}) / 4.0;
+    for (int64_t stride : {1, 2}) {
+      auto g = (torch::randint(-4, 5, at::conv2d(x0, w0, b0, stride, 3, 1, 21).sizes()) / 4.0).contiguous(fmt);
+      auto [gw, gb] = ops::depthwise_conv_weight_grad(x0, g, 7, stride, 3);
+      auto want = at::convolution_backward(g, x0, w0, std::vector<int64_t>{21}, {stride, stride}, {3, 3}, {1, 1}, false,
+                                           {0, 0}, 21, {false, true, true});
+      INFO("stride " << stride << (cl ? " channels-last" : " NCHW"));
+      CHECK(torch::equal(gw, std::get<1>(want)));
+      CHECK(torch::equal(gb, std::get<2>(want)));
+    }
+  }
+  // the bits do not depend on the number of threads
+  {
+    torch::manual_seed(13);
+    auto x = torch::randn({4, 96, 14, 14}), g = torch::randn({4, 96, 14, 14});
+    auto run = [&](int threads) {
+      const int before = at::get_num_threads();
+      at::set_num_threads(threads);
+      auto r = ops::depthwise_conv_weight_grad(x, g, 7, 1, 3);
+      at::set_num_threads(before);
+      return r;
+    };
+    const auto one = run(1), two = run(2), three = run(3);
+    CHECK(torch::equal(one.first, two.first));
+    CHECK(torch::equal(one.first, three.first));
+    CHECK(torch::equal(one.second, three.second));
+  }
+  auto x = torch::randn({2, 8, 6, 6}), w = torch::randn({8, 1, 3, 3});
+  CHECK(ops::depthwise_conv_supported(x, w, 1, 1, 1, 8));
+  CHECK(ops::depthwise_conv_supported(x.to(at::kDouble), w.to(at::kDouble), 2, 1, 1, 8));
+  CHECK_FALSE(ops::depthwise_conv_supported(x.to(at::kBFloat16), w.to(at::kBFloat16), 1, 1, 1, 8));
+  CHECK_FALSE(ops::depthwise_conv_supported(x, w.to(at::kDouble), 1, 1, 1, 8));
+  CHECK_FALSE(ops::depthwise_conv_supported(x, torch::randn({8, 1, 4, 4}), 1, 1, 1, 8));  // even filter
+  CHECK_FALSE(ops::depthwise_conv_supported(x, w, 3, 1, 1, 8));                         // stride 3
+  CHECK_FALSE(ops::depthwise_conv_supported(x, w, 1, 2, 2, 8));                         // dilation 2
+  CHECK_FALSE(ops::depthwise_conv_supported(x, torch::randn({8, 2, 3, 3}), 1, 1, 1, 4));  // groups of two
 }
 
 TEST_CASE("training fusion in the zoo: float64 equals torch's modules, float32 is as close to float64 as they are",

@@ -1,0 +1,33 @@
+// Depthwise convolution for training on the CPU (groups = channels, one k x k filter per channel).
+// The forward is ATen's own convolution (the same values as torch's Conv2d); the input gradient is
+// ATen's too, at stride 1 as the forward convolution of the output gradient with the flipped filter
+// (half the time of ATen's backward on this CPU); the weight and bias gradients are imgtrain's: on this CPU ATen's (oneDNN's) depthwise
+// weight gradient took 10-20x its forward (ConvNeXt's 7x7: 385 ms a step against 17 ms forward at
+// batch 8, 224 px, 2 threads, NCHW; 197 ms channels-last). Here the sums run along the channels,
+// which channels-last memory holds side by side, so each vector lane is one channel and every
+// channel is summed in the same order (positions in order, a float sum per tap per output row
+// added into a double): the same bits for any thread count and vector width.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <utility>
+
+namespace imgtrain::ops {
+
+// Whether depthwise_conv_train takes this convolution: x 4-D float32 or float64 on the CPU, w
+// [C, 1, k, k] of x's dtype with k 3, 5 or 7, groups = C, square stride 1 or 2, square padding
+// below k, dilation 1.
+bool depthwise_conv_supported(const at::Tensor& x, const at::Tensor& w, int64_t stride, int64_t padding,
+                              int64_t dilation, int64_t groups);
+
+// conv2d(x, w, bias, stride, padding, groups = C) with the backward above; bias may be undefined.
+at::Tensor depthwise_conv_train(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, int64_t stride,
+                                int64_t padding);
+
+// The weight gradient [C, 1, k, k] and the bias gradient [C] (the sum of gy over N, H, W) of that
+// convolution for input x and output gradient gy (any layout).
+std::pair<at::Tensor, at::Tensor> depthwise_conv_weight_grad(const at::Tensor& x, const at::Tensor& gy, int64_t k,
+                                                             int64_t stride, int64_t padding);
+
+}  // namespace imgtrain::ops
