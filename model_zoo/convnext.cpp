@@ -60,7 +60,7 @@ struct ConvNeXtBlockImpl : torch::nn::Module, InferenceFusion {
         return linear_add(h, fc2_folded_w, fc2_folded_b, res, &fc2_pack).permute({0, 3, 1, 2});
       return at::linear(h, fc2_folded_w, fc2_folded_b).permute({0, 3, 1, 2}) + in;
     }
-    x = fc2(torch::gelu(fc1(norm(x)))).permute({0, 3, 1, 2});
+    x = linear(*fc2, torch::gelu(linear(*fc1, norm(x)))).permute({0, 3, 1, 2});
     x = x.mul(gamma.reshape({1, -1, 1, 1}));
     return drop_path(x, dpr, is_training()) + in;
   }

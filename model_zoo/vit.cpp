@@ -44,13 +44,13 @@ struct AttentionImpl : torch::nn::Module {
   // residual defined (inference fusion): proj(o) + residual as one oneDNN call
   at::Tensor forward(const at::Tensor& x, const at::Tensor& residual = {}) {
     const int64_t b = x.size(0), n = x.size(1), c = x.size(2);
-    auto qkv_ = qkv(x).reshape({b, n, 3, heads, c / heads}).permute({2, 0, 3, 1, 4});
+    auto qkv_ = linear(*qkv, x).reshape({b, n, 3, heads, c / heads}).permute({2, 0, 3, 1, 4});
     // unbind, not three selects: its backward stacks the three gradients into one tensor, where each
     // select's backward zero-fills a full-size gradient, copies into it and adds the three up
     const auto parts = qkv_.unbind(0);
     const auto &q = parts[0], &k = parts[1], &v = parts[2];
     auto o = at::scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape({b, n, c});
-    return residual.defined() ? linear_add(o, proj->weight, proj->bias, residual, &proj_pack) : proj(o);
+    return residual.defined() ? linear_add(o, proj->weight, proj->bias, residual, &proj_pack) : linear(*proj, o);
   }
   LinearPack proj_pack;
 };
@@ -62,7 +62,7 @@ struct MlpImpl : torch::nn::Module {
     fc1 = register_module("fc1", Linear(dim, hidden));
     fc2 = register_module("fc2", Linear(hidden, dim));
   }
-  at::Tensor forward(const at::Tensor& x) { return fc2(torch::gelu(fc1(x))); }
+  at::Tensor forward(const at::Tensor& x) { return linear(*fc2, torch::gelu(linear(*fc1, x))); }
   // inference fusion: fc2(gelu(fc1(x))) + residual in two oneDNN calls (GELU and the add as post-ops)
   at::Tensor forward_fused(const at::Tensor& x, const at::Tensor& residual) {
     return linear_add(linear_act(x, fc1->weight, fc1->bias, Act::GELU, &fc1_pack), fc2->weight, fc2->bias, residual,

@@ -4,7 +4,9 @@
 #pragma once
 #include <torch/nn/module.h>
 #include "core/batch_norm.h"
+#include <ATen/ops/linear.h>
 #include <torch/nn/modules/conv.h>
+#include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
 #include <torch/nn/pimpl.h>
 
@@ -102,6 +104,12 @@ at::Tensor linear_act(const at::Tensor& x, const at::Tensor& w, const at::Tensor
                       LinearPack* pack = nullptr);
 at::Tensor linear_add(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const at::Tensor& residual,
                       LinearPack* pack = nullptr);
+
+// A Linear as Python's nn.Linear (timm's) runs it: at::linear, which takes a contiguous input of
+// any rank as one addmm with the bias added inside the GEMM. torch::nn::Linear's C++ forward
+// (torch::nn::functional::linear) does that for 2-D inputs only and otherwise runs matmul and then
+// adds the bias: one more pass over the output, and a separate sum for the bias gradient.
+inline at::Tensor linear(const torch::nn::LinearImpl& l, const at::Tensor& x) { return at::linear(x, l.weight, l.bias); }
 
 // Convolution, BatchNorm, activation (timm's ConvBnAct block: modules conv, bn1), with a residual
 // when `skip` is asked and the shapes allow it.
