@@ -14,6 +14,7 @@
 #include "model_zoo/registry.h"
 #include "ops/norm_act.h"
 #include "ops/depthwise.h"
+#include "ops/mlp.h"
 #include "ops/se_gate.h"
 #include "optim/optim.h"
 #include "core/rng.h"
@@ -923,6 +924,52 @@ TEST_CASE("inference fusion of ViT and ConvNeXt: GELU and residual adds as linea
     CHECK((y - ref2).abs().max().item<double>() <= 1e-4 * scale);
     set_inference_fusion(*m, false);
     CHECK(torch::equal(m->forward(xl), ref2));
+  }
+}
+
+TEST_CASE("inference: ConvNeXt's first stages run LayerNorm, MLP and residual on tiles of pixels, equal within rounding",
+          "[models][ops]") {
+  // the op alone: tiles of one pixel, of 7 (a partial last tile), of a whole image and more;
+  // NCHW maps permuted (strided pixels) and channels-last ones (contiguous)
+  torch::manual_seed(21);
+  const int64_t N = 3, C = 24, D = 96, H = 5, W = 9;
+  auto lw = torch::randn({C}), lb = torch::randn({C}), w1 = torch::randn({D, C}) * 0.2, b1 = torch::randn({D}),
+       w2 = torch::randn({C, D}) * 0.1, b2 = torch::randn({C});
+  for (bool cl : {false, true}) {
+    auto fmt = cl ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
+    auto x = torch::randn({N, C, H, W}).contiguous(fmt).permute({0, 2, 3, 1});
+    auto r = torch::randn({N, C, H, W}).contiguous(fmt).permute({0, 2, 3, 1});
+    torch::NoGradGuard ng;
+    const auto want = r + at::linear(at::gelu(at::linear(at::layer_norm(x, {C}, lw, lb, 1e-6), w1, b1)), w2, b2);
+    for (int64_t rows : {int64_t(1), int64_t(7), H * W, int64_t(1000)}) {
+      INFO("rows " << rows << (cl ? " channels-last" : " NCHW"));
+      const auto got = ops::ln_mlp_residual_tiled(x, lw, lb, 1e-6, w1, b1, w2, b2, r, rows);
+      CHECK(got.is_contiguous());
+      REQUIRE(got.sizes() == want.sizes());
+      CHECK((got - want).abs().max().item<double>() < 1e-5 * want.abs().max().item<double>());
+    }
+  }
+  // in the model: at 224 px the first two stages' maps are large enough to be tiled
+  ModelArgs a;
+  a.num_classes = 10;
+  auto m = model_zoo::create_model("convnext_tiny", a);
+  {
+    torch::NoGradGuard ng;  // a layer scale far from its 1e-6 init, so that a wrong fold shows
+    for (auto& p : m->named_parameters())
+      if (p.key().find("gamma") != std::string::npos) p.value().uniform_(0.5, 1.5);
+  }
+  m->eval();
+  torch::NoGradGuard ng;
+  for (bool cl : {false, true}) {
+    INFO((cl ? "channels-last" : "NCHW"));
+    auto x = torch::randn({1, 3, 224, 224}).contiguous(cl ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous);
+    set_inference_fusion(*m, false);
+    const auto ref = m->forward(x);
+    set_inference_fusion(*m, true);
+    at::Tensor y;
+    const auto names = ops_called([&] { y = m->forward(x); });
+    CHECK(names.count("aten::gelu_"));  // the tiles ran (the modules' GELU is not in place)
+    CHECK((y - ref).abs().max().item<double>() <= 1e-4 * ref.abs().max().item<double>());
   }
 }
 
