@@ -2,6 +2,7 @@
 
 #include "core/error.h"
 #include "ops/norm_act.h"
+#include "ops/depthwise.h"
 #include "ops/se_gate.h"
 
 #include <ATen/autocast_mode.h>
@@ -185,6 +186,14 @@ at::Tensor conv_forward(torch::nn::Conv2dImpl& conv, ConvImpl* zconv, const at::
     auto y = trimmed_conv2d(in, conv.weight, conv.bias, vec(o.stride()),
                             vec(std::get<torch::ExpandingArray<2>>(o.padding())), vec(o.dilation()), o.groups());
     if (y.defined()) return y;
+    // depthwise 5x5 and 7x7 in training: imgtrain's weight gradient (ATen's took 4-8x longer at
+    // EfficientNet's and ConvNeXt's shapes; at 3x3 the two are level, so ATen's stays)
+    const auto stride = vec(o.stride()), pad = vec(std::get<torch::ExpandingArray<2>>(o.padding()));
+    const auto dil = vec(o.dilation());
+    if (conv.is_training() && at::GradMode::is_enabled() && conv.weight.dim() == 4 && conv.weight.size(2) >= 5 &&
+        stride[0] == stride[1] && pad[0] == pad[1] && dil[0] == dil[1] &&
+        ops::depthwise_conv_supported(in, conv.weight, stride[0], pad[0], dil[0], o.groups()))
+      return ops::depthwise_conv_train(in, conv.weight, conv.bias, stride[0], pad[0]);
   }
   return zconv ? zconv->forward(x) : conv.forward(x);
 }

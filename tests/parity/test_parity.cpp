@@ -160,9 +160,17 @@ TEST_CASE("train-mode loss, gradients and BN statistics equal timm's", "[parity]
       out, *st.find("ref.train_target"), torch::nn::functional::CrossEntropyFuncOptions().label_smoothing(0.1));
   loss.backward();
   CHECK(std::abs(loss.item<double>() - st.find("ref.train_loss")->item<double>()) < 1e-5);
+  // Relative to each gradient, but not below 1e-3 of the largest: some gradients are zero in exact
+  // arithmetic and float rounding in both programs (the bias of a BatchNorm whose every path runs
+  // through linear convolutions into another training-mode BatchNorm, which removes any constant
+  // shift: ~1e-6 against gradients of ~10 in EfficientNet), and their rounding differs wherever
+  // imgtrain's ops differ from ATen's (the depthwise gradients, ops/depthwise.h).
+  double largest = 0;
+  for (auto& p : m->named_parameters()) largest = std::max(largest, st.find("grad." + p.key())->norm().item<double>());
   for (auto& p : m->named_parameters()) {
     INFO(p.key());
-    CHECK(rel_diff(p.value().grad(), *st.find("grad." + p.key())) < 1e-3);
+    const auto& want = *st.find("grad." + p.key());
+    CHECK((p.value().grad() - want).norm().item<double>() < 1e-3 * std::max(want.norm().item<double>(), 1e-3 * largest));
   }
   for (auto& b : m->named_buffers()) {
     INFO(b.key());
