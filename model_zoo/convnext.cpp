@@ -71,7 +71,7 @@ struct ConvNeXtBlockImpl : torch::nn::Module, InferenceFusion {
   // (ops::ln_mlp_residual_tiled), so fc1's output, 4x the channels, stays in cache: where the MLP's
   // weights are small against the activations (the first two stages: 0.3 and 1.2 MB of weights
   // against 38 and 19 MB of fc1 output at batch 8, 224 px); elsewhere each tile would read the
-  // weights again. Tiles of 64K to 1M floats of fc1 output measured alike (ConvNeXt-T, batch 8).
+  // weights again. Tiles of 32K to 1M floats of fc1 output measured alike (ConvNeXt-T, batch 8).
   static constexpr int64_t kTileFloats = 262144;  // fc1's output per tile: 1 MB
   bool tiles_pay(const at::Tensor& x) const {
     const int64_t C = x.size(3), pixels = x.size(1) * x.size(2);
