@@ -3,7 +3,6 @@
 #include "core/error.h"
 #include "model_zoo/layers/layers.h"
 #include "model_zoo/registry.h"
-#include "ops/depthwise.h"
 #include "ops/mlp.h"
 
 #include <torch/torch.h>
@@ -84,14 +83,10 @@ struct ConvNeXtBlockImpl : torch::nn::Module, InferenceFusion {
         .permute({0, 3, 1, 2});
   }
 
-  // The 7x7 depthwise convolution; in training with autograd, through imgtrain's weight gradient
-  // (ops/depthwise.h: ATen's took 10-20x the forward on the CPU), the forward and input gradient
-  // ATen's as before.
+  // The 7x7 depthwise convolution, in training through imgtrain's weight gradient (depthwise_train)
   at::Tensor depthwise(const at::Tensor& in) {
-    const auto& w = conv_dw->weight;
-    if (is_training() && at::GradMode::is_enabled() && ops::depthwise_conv_supported(in, w, 1, 3, 1, in.size(1)))
-      return ops::depthwise_conv_train(in, w, conv_dw->bias, 1, 3);
-    return conv_dw(in);
+    auto y = depthwise_train(*conv_dw, in);
+    return y.defined() ? y : conv_dw(in);
   }
 
   // fc2's weight and bias times gamma, made again only when one of the three changed (an optimizer

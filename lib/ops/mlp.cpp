@@ -1,7 +1,6 @@
 #include "ops/mlp.h"
 
 #include <ATen/Parallel.h>
-#include <ATen/TensorIndexing.h>
 #include <c10/core/GradMode.h>
 #include <ATen/ops/addmm.h>
 #include <ATen/ops/empty.h>

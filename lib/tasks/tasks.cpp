@@ -315,19 +315,20 @@ TaskSetup detection_setup(const cli::Config& given, int64_t rank, int64_t world)
 TaskSetup detection_validate_setup(const cli::Config& given, const engine::CheckpointMeta* meta,
                                    const std::string& arch) {
   cli::Config cfg = with_model_defaults(given, arch);
-  // The widths (and level mapper) the checkpoint's detector was trained with, unless a flag names them.
-  auto width = [&](const char* flag, auto& v, const auto& from_meta) {
-    if (meta && from_meta && !cfg.was_given(flag) && !cfg.in_file.count(flag))
+  // The widths, level mapper and RoIAlign the checkpoint's detector was trained with, unless a flag
+  // names them.
+  auto restore = [&](const char* flag, auto& v, const auto& from_meta) {
+    if (from_meta && !cfg.was_given(flag) && !cfg.in_file.count(flag))
       v = static_cast<std::decay_t<decltype(v)>>(*from_meta);
   };
   if (meta) {
-    width("fpn-channels", cfg.fpn_channels, meta->fpn_channels);
-    width("box-head-dim", cfg.box_head_dim, meta->box_head_dim);
-    width("mask-head-dim", cfg.mask_head_dim, meta->mask_head_dim);
-    width("mask-head-convs", cfg.mask_head_convs, meta->mask_head_convs);
-    width("roi-canonical-size", cfg.roi_canonical_size, meta->roi_canonical_size);
-    width("box-sampling-ratio", cfg.box_sampling_ratio, meta->box_sampling_ratio);
-    width("roi-align-v2", cfg.roi_align_v2, meta->roi_align_v2);
+    restore("fpn-channels", cfg.fpn_channels, meta->fpn_channels);
+    restore("box-head-dim", cfg.box_head_dim, meta->box_head_dim);
+    restore("mask-head-dim", cfg.mask_head_dim, meta->mask_head_dim);
+    restore("mask-head-convs", cfg.mask_head_convs, meta->mask_head_convs);
+    restore("roi-canonical-size", cfg.roi_canonical_size, meta->roi_canonical_size);
+    restore("box-sampling-ratio", cfg.box_sampling_ratio, meta->box_sampling_ratio);
+    restore("roi-align-v2", cfg.roi_align_v2, meta->roi_align_v2);
   }
   TaskSetup s;
   const bool masks = model_zoo::detection::rcnn_has_mask(arch);

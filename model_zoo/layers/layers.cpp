@@ -186,17 +186,30 @@ at::Tensor conv_forward(torch::nn::Conv2dImpl& conv, ConvImpl* zconv, const at::
     auto y = trimmed_conv2d(in, conv.weight, conv.bias, vec(o.stride()),
                             vec(std::get<torch::ExpandingArray<2>>(o.padding())), vec(o.dilation()), o.groups());
     if (y.defined()) return y;
-    // depthwise 5x5 and 7x7 in training: imgtrain's weight gradient (ATen's took 4-8x longer at
-    // EfficientNet's and ConvNeXt's shapes; at 3x3 the two are level, so ATen's stays)
-    const auto stride = vec(o.stride()), pad = vec(std::get<torch::ExpandingArray<2>>(o.padding()));
-    const auto dil = vec(o.dilation());
-    if (conv.is_training() && at::GradMode::is_enabled() && conv.weight.dim() == 4 && conv.weight.size(2) >= 5 &&
-        stride[0] == stride[1] && pad[0] == pad[1] && dil[0] == dil[1] &&
-        ops::depthwise_conv_supported(in, conv.weight, stride[0], pad[0], dil[0], o.groups()))
-      return ops::depthwise_conv_train(in, conv.weight, conv.bias, stride[0], pad[0]);
+    if (auto d = depthwise_train(conv, in); d.defined()) return d;
   }
   return zconv ? zconv->forward(x) : conv.forward(x);
 }
+
+}  // namespace
+
+at::Tensor depthwise_train(torch::nn::Conv2dImpl& conv, const at::Tensor& x) {
+  const auto& o = conv.options;
+  const auto& w = conv.weight;
+  // the cheap tests first: this runs for every convolution of a training step
+  if (!conv.is_training() || o.groups() == 1 || w.dim() != 4 || w.size(1) != 1 || w.size(2) < 5 ||
+      !at::GradMode::is_enabled() || !std::holds_alternative<torch::ExpandingArray<2>>(o.padding()) ||
+      !std::holds_alternative<torch::enumtype::kZeros>(o.padding_mode()))
+    return {};
+  const auto stride = vec(o.stride()), pad = vec(std::get<torch::ExpandingArray<2>>(o.padding()));
+  const auto dil = vec(o.dilation());
+  if (stride[0] != stride[1] || pad[0] != pad[1] || dil[0] != dil[1] ||
+      !ops::depthwise_conv_supported(x, w, stride[0], pad[0], dil[0], o.groups()))
+    return {};
+  return ops::depthwise_conv_train(x, w, conv.bias, stride[0], pad[0]);
+}
+
+namespace {
 
 // Training fusion: act(bn(y) + residual) as one kernel when bn asks for it (set_training_fusion)
 // and the kernel takes the input; else undefined and the caller runs the modules. The running

@@ -57,6 +57,12 @@ TORCH_MODULE(Conv);
 at::Tensor trimmed_conv2d(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, at::IntArrayRef stride,
                           at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups);
 
+// A depthwise 5x5 or 7x7 convolution (zero padding, square stride and padding) in training with
+// autograd, through imgtrain's weight gradient (ops::depthwise_conv_train: ATen's took 4-20x longer
+// at EfficientNet's and ConvNeXt's shapes on the CPU; at 3x3 the two are level, so ATen's stays).
+// Undefined where that does not apply: then run the module.
+at::Tensor depthwise_train(torch::nn::Conv2dImpl& conv, const at::Tensor& x);
+
 // act(bn(conv(x)) + residual), the residual optional (undefined): the one call through which the
 // zoo's blocks run a convolution followed by BatchNorm. Normally exactly the modules in sequence
 // (bitwise what the separate calls give), except that a convolution with taps that meet only
