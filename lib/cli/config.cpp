@@ -323,6 +323,11 @@ const std::vector<Flag>& flags() {
        "(0: all of them, as torchvision and Detectron2)",
        TRAIN | BENCH, {}, non_negative},
       {"roi-align-v2", "", &Config::roi_align_v2, "RoIAlign with aligned=True (Detectron2's ROIAlignV2)", BOTH},
+      {"mask-convention", "", &Config::mask_convention,
+       "Mask R-CNN: how the 28x28 mask maps onto its box in training targets and pasting: torchvision's (targets "
+       "by roi_align aligned=False, paste_masks_in_image), detectron2's (aligned targets binarised at 0.5, "
+       "grid_sample paste) or aligned (Detectron2's, targets kept as fractions)",
+       BOTH, {"torchvision", "detectron2", "aligned"}},
       {"box-loss", "", &Config::box_loss, "Box regression loss of the RoI head", TRAIN, {"smooth_l1", "l1"}},
       {"rpn-box-loss", "", &Config::rpn_box_loss, "Box regression loss of the RPN", TRAIN, {"smooth_l1", "l1"}},
       {"fpn-channels", "", &Config::fpn_channels,
@@ -870,7 +875,7 @@ void check_flags_for_task(const Config& c, const std::string& task, const std::s
       "rpn-post-nms-top-n-test", "rpn-nms-thresh", "rpn-batch-size-per-image", "box-batch-size-per-image",
       "box-score-thresh", "box-nms-thresh", "box-detections-per-img", "box-sampling-ratio", "roi-align-v2", "box-loss",
       "rpn-box-loss", "two-bucket-grouping", "min-size-test", "fpn-channels", "box-head-dim", "mask-head-dim",
-      "mask-head-convs", "lsj-size", "lsj-scale"};
+      "mask-head-convs", "lsj-size", "lsj-scale", "mask-convention", "mask-rois-per-image", "roi-canonical-size"};
   if (!c.task.empty() && c.task != task)
     throw UserError(fmt::format("--task {}: --model {} is a {} model", c.task, model, task));
   if (task == "classification") {

@@ -182,6 +182,7 @@ struct Config {
   double roi_canonical_size = 224;
   int64_t mask_rois_per_image = 0;
   bool roi_align_v2 = false;
+  std::string mask_convention = "torchvision";
   std::string box_loss = "smooth_l1";
   std::string rpn_box_loss = "smooth_l1";
   // widths of the detector (torchvision's 256 / 1024 / 256 / 4)

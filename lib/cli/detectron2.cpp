@@ -325,6 +325,9 @@ std::vector<Detectron2Setting> detectron2_settings(const std::string& path, cons
     m.set("model", fmt::format("{}rcnn_resnet{}_fpn", mask ? "mask" : "faster", int(depth)),
           m.has("MODEL.MASK_ON") ? "MODEL.MASK_ON" : "MODEL.RESNETS.DEPTH");
     m.set("dataset", "coco", "MODEL.META_ARCHITECTURE");
+    // Detectron2's masks: targets by BitMasks.crop_and_resize (aligned, binarised), pasted by
+    // grid_sample (no key selects another)
+    if (mask) m.set("mask-convention", "detectron2", "MODEL.MASK_ON");
   }
   if (m.has("MODEL.WEIGHTS")) {
     const Lit w = m.get("MODEL.WEIGHTS", "");

@@ -62,6 +62,7 @@ std::map<std::string, std::string> CheckpointMeta::to_metadata() const {
   put_double("roi_canonical_size", roi_canonical_size);
   put_int("box_sampling_ratio", box_sampling_ratio);
   put_int("roi_align_v2", roi_align_v2);
+  if (mask_convention) md["mask_convention"] = *mask_convention;
   put_int("epoch", epoch);
   put_int("num_updates", num_updates);
   put_int("recovery_update", recovery_update);
@@ -125,6 +126,11 @@ CheckpointMeta CheckpointMeta::from_metadata(const std::map<std::string, std::st
   m.box_sampling_ratio =
       in_range("box_sampling_ratio", get_int("box_sampling_ratio"), 0, 1024, "an integer in [0, 1024]");
   m.roi_align_v2 = in_range("roi_align_v2", get_int("roi_align_v2"), 0, 1, "0 or 1");
+  if (auto* s = get("mask_convention")) {
+    if (*s != "torchvision" && *s != "detectron2" && *s != "aligned")
+      throw bad("mask_convention", *s, "torchvision, detectron2 or aligned");
+    m.mask_convention = *s;
+  }
   m.epoch = get_int("epoch");  // the training position: checked where it is used (require_training)
   m.num_updates = get_int("num_updates");
   m.recovery_update = get_int("recovery_update");

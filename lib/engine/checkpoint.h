@@ -40,6 +40,8 @@ struct CheckpointMeta {
   std::optional<double> roi_canonical_size;  // and its RoI level mapper (--roi-canonical-size)
   // and its RoIAlign: --box-sampling-ratio, --roi-align-v2 (1: aligned=True)
   std::optional<int64_t> box_sampling_ratio, roi_align_v2;
+  // and how its masks map onto their boxes (--mask-convention)
+  std::optional<std::string> mask_convention;
   // the training position
   std::optional<int64_t> epoch, num_updates;
   std::optional<int64_t> recovery_update;  // a mid-epoch checkpoint: the last update done

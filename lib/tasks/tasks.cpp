@@ -218,6 +218,7 @@ model_zoo::detection::RCNNOptions rcnn_options(const cli::Config& cfg, int64_t n
   o.box_detections_per_img = cfg.box_detections_per_img;
   o.box_sampling_ratio = o.mask_sampling_ratio = cfg.box_sampling_ratio;
   o.roi_aligned = cfg.roi_align_v2;
+  o.mask_convention = model_zoo::detection::parse_mask_convention(cfg.mask_convention);
   o.roi_canonical_size = cfg.roi_canonical_size;
   o.mask_rois_per_image = cfg.mask_rois_per_image;
   o.box_loss = cfg.box_loss;
@@ -253,6 +254,7 @@ engine::CheckpointMeta detection_meta(const std::string& arch, int64_t num_class
   m.roi_canonical_size = cfg.roi_canonical_size;
   m.box_sampling_ratio = cfg.box_sampling_ratio;
   m.roi_align_v2 = cfg.roi_align_v2 ? 1 : 0;
+  m.mask_convention = cfg.mask_convention;
   m.task = "detection";
   m.num_classes = num_classes;
   m.in_chans = 3;
@@ -329,6 +331,7 @@ TaskSetup detection_validate_setup(const cli::Config& given, const engine::Check
     restore("roi-canonical-size", cfg.roi_canonical_size, meta->roi_canonical_size);
     restore("box-sampling-ratio", cfg.box_sampling_ratio, meta->box_sampling_ratio);
     restore("roi-align-v2", cfg.roi_align_v2, meta->roi_align_v2);
+    restore("mask-convention", cfg.mask_convention, meta->mask_convention);
   }
   TaskSetup s;
   const bool masks = model_zoo::detection::rcnn_has_mask(arch);

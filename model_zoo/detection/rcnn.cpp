@@ -830,7 +830,13 @@ RCNNResult GeneralizedRCNNImpl::forward(const ImageBatch& images, const std::vec
         labels.push_back(t.labels.index_select(0, idxs));
         auto rois = at::cat({idxs.to(mask_props[size_t(i)].scalar_type()).unsqueeze(1), mask_props[size_t(i)]}, 1);
         auto gm = t.masks.unsqueeze(1).to(rois.scalar_type());
-        mask_targets.push_back(ops::roi_align(gm, rois, 1.0, M, M, -1, false).select(1, 0));
+        if (o.mask_convention == RCNNOptions::MaskConvention::kTorchvision) {  // project_masks_on_boxes
+          mask_targets.push_back(ops::roi_align(gm, rois, 1.0, M, M, -1, false).select(1, 0));
+        } else {  // BitMasks.crop_and_resize (binarised for Detectron2's own)
+          auto t = ops::roi_align(gm, rois, 1.0, M, M, 0, true).select(1, 0);
+          if (o.mask_convention == RCNNOptions::MaskConvention::kDetectron2) t = t.ge(0.5).to(t.scalar_type());
+          mask_targets.push_back(t);
+        }
       }
       at::Tensor loss;
       const auto all_t = mask_targets.empty() ? at::Tensor() : at::cat(mask_targets);
@@ -857,13 +863,67 @@ RCNNResult GeneralizedRCNNImpl::forward(const ImageBatch& images, const std::vec
   return res;
 }
 
-void postprocess(Detections& d, std::array<int64_t, 2> resized, std::array<int64_t, 2> original, double threshold) {
+RCNNOptions::MaskConvention parse_mask_convention(const std::string& s) {
+  using C = RCNNOptions::MaskConvention;
+  if (s == "torchvision") return C::kTorchvision;
+  if (s == "detectron2") return C::kDetectron2;
+  if (s == "aligned") return C::kAligned;
+  throw UserError(fmt::format("mask convention '{}': expected torchvision, detectron2 or aligned", s));
+}
+
+const char* mask_convention_name(RCNNOptions::MaskConvention c) {
+  switch (c) {
+    case RCNNOptions::MaskConvention::kDetectron2: return "detectron2";
+    case RCNNOptions::MaskConvention::kAligned: return "aligned";
+    default: return "torchvision";
+  }
+}
+
+namespace {
+
+// detectron2.layers.paste_masks_in_image as it runs on a CPU (one box at a time, skip_empty): the
+// pixels from floor(x0) - 1 to ceil(x1) + 1 sample the mask by grid_sample (bilinear, zeros
+// outside, align_corners=False) at their centres, mapped into the float box.
+void paste_grid_sample(Detections& d, int64_t im_h, int64_t im_w, double threshold) {
+  const auto masks = d.masks.to(at::kFloat);
+  const int64_t n = masks.size(0);
+  auto f = masks.options();
+  auto out = at::zeros({n, 1, im_h, im_w}, threshold > 0 ? f.dtype(at::kByte) : f);
+  const auto bx = d.boxes.to(at::kFloat).cpu().contiguous();
+  auto acc = bx.accessor<float, 2>();
+  for (int64_t i = 0; i < n; ++i) {
+    const float x0 = acc[i][0], y0 = acc[i][1], x1 = acc[i][2], y1 = acc[i][3];
+    if (!(x1 > x0) || !(y1 > y0)) continue;  // no pixel centre maps into an empty box
+    const int64_t xa = std::max<int64_t>(int64_t(std::floor(x0)) - 1, 0);
+    const int64_t ya = std::max<int64_t>(int64_t(std::floor(y0)) - 1, 0);
+    const int64_t xb = std::min<int64_t>(int64_t(std::ceil(x1)) + 1, im_w);
+    const int64_t yb = std::min<int64_t>(int64_t(std::ceil(y1)) + 1, im_h);
+    if (xb <= xa || yb <= ya) continue;
+    // float32 throughout, in Detectron2's order of operations: (p + 0.5 - x0) / (x1 - x0) * 2 - 1
+    auto gx = ((at::arange(xa, xb, f) + 0.5) - x0) / (x1 - x0) * 2 - 1;
+    auto gy = ((at::arange(ya, yb, f) + 0.5) - y0) / (y1 - y0) * 2 - 1;
+    const int64_t h = yb - ya, w = xb - xa;
+    auto grid = at::stack({gx.unsqueeze(0).expand({h, w}), gy.unsqueeze(1).expand({h, w})}, 2).unsqueeze(0);
+    auto m = at::grid_sampler(masks[i].unsqueeze(0), grid, /*bilinear*/ 0, /*zeros*/ 0, /*align_corners=*/false)[0][0];
+    auto dst = out[i][0].slice(0, ya, yb).slice(1, xa, xb);
+    if (threshold > 0) dst.copy_(m.ge(threshold));
+    else dst.copy_(m);
+  }
+  d.masks = out;
+}
+
+}  // namespace
+
+void postprocess(Detections& d, std::array<int64_t, 2> resized, std::array<int64_t, 2> original, double threshold,
+                 RCNNOptions::MaskConvention convention) {
   auto f = at::TensorOptions().dtype(at::kFloat).device(d.boxes.device());
   auto rh = at::scalar_tensor(double(original[0]), f) / at::scalar_tensor(double(resized[0]), f);
   auto rw = at::scalar_tensor(double(original[1]), f) / at::scalar_tensor(double(resized[1]), f);
   auto b = d.boxes.unbind(1);
   d.boxes = at::stack({b[0] * rw, b[1] * rh, b[2] * rw, b[3] * rh}, 1);
   if (!d.masks.defined()) return;
+  if (convention != RCNNOptions::MaskConvention::kTorchvision)
+    return paste_grid_sample(d, original[0], original[1], threshold);
   // paste_masks_in_image(padding=1): expand_masks, expand_boxes, one interpolation per box
   const int64_t M = d.masks.size(-1), pad = 1;
   const double scale = double(M + 2 * pad) / double(M);

@@ -50,6 +50,15 @@ struct RCNNOptions {
   // Training: positive RoIs per image the mask head runs on (0: every positive, torchvision's).
   int64_t mask_rois_per_image = 0;
   bool roi_aligned = false;
+  // How a mask's 28x28 grid maps onto its box, in training targets and in pasting.
+  // kTorchvision: targets roi_align(aligned=False) of the gt mask (fractions), paste_masks_in_image
+  //   (one-pixel padding, int64 boxes, prob > threshold): half a pixel apart from each other.
+  // kDetectron2: targets roi_align(aligned=True, adaptive sampling) binarised at 0.5
+  //   (BitMasks.crop_and_resize), pasted by grid_sample at pixel centres within the float box
+  //   (detectron2.layers.paste_masks_in_image, prob >= threshold).
+  // kAligned: Detectron2's aligned targets kept as fractions (as torchvision keeps them) and its paste.
+  enum class MaskConvention { kTorchvision, kDetectron2, kAligned };
+  MaskConvention mask_convention = MaskConvention::kTorchvision;
   // LevelMapper's canonical box size (level 4 for a box of this side; torchvision's 224).
   double roi_canonical_size = 224;
   // "smooth_l1" (torchvision, beta 1/9) or "l1" (Detectron2's default box regression loss).
@@ -122,11 +131,17 @@ class GeneralizedRCNNImpl : public torch::nn::Module {
 TORCH_MODULE(GeneralizedRCNN);
 
 // torchvision's GeneralizedRCNNTransform.postprocess for one image: boxes scaled from the resized
-// size back to the original one (float32 ratios), masks pasted into the original image
-// (paste_masks_in_image with its one-pixel padding and int64 boxes). With `threshold` > 0 the
-// pasted masks come back as uint8 (prob > threshold), which saves 4x the memory of the floats.
+// size back to the original one (float32 ratios), masks pasted into the original image by the
+// convention's paste (torchvision's paste_masks_in_image with its one-pixel padding and int64
+// boxes; Detectron2's grid_sample at pixel centres). With `threshold` > 0 the pasted masks come
+// back as uint8 (prob > threshold; Detectron2's prob >= threshold), which saves 4x the memory of
+// the floats.
 void postprocess(Detections& d, std::array<int64_t, 2> resized, std::array<int64_t, 2> original,
-                 double threshold = 0.0);
+                 double threshold = 0.0,
+                 RCNNOptions::MaskConvention convention = RCNNOptions::MaskConvention::kTorchvision);
+// "torchvision" / "detectron2" / "aligned" (the --mask-convention values), and back.
+RCNNOptions::MaskConvention parse_mask_convention(const std::string& s);
+const char* mask_convention_name(RCNNOptions::MaskConvention c);
 
 // The names registered (torchvision's builders), and a model by name.
 const std::vector<std::string>& rcnn_names();

@@ -1412,6 +1412,7 @@ TEST:
   // the pooling is in the checkpoint, for validate --checkpoint to rebuild the same model
   CHECK(meta.roi_align_v2 == 1);
   CHECK(meta.box_sampling_ratio == 0);
+  CHECK(meta.mask_convention == "detectron2");  // and so is the masks' mapping onto their boxes
   const std::string args = test::read_file(out / "d2/args.yaml");
   CHECK_THAT(args, Catch::Contains("model: \"maskrcnn_resnet18_fpn\"") && Catch::Contains("roi_align_v2: true") &&
                        Catch::Contains("box_sampling_ratio: 0") && Catch::Contains("box_loss: \"l1\"") &&

@@ -15,6 +15,8 @@ maskrcnn_resnet18_fpn_narrow is the R18 Mask R-CNN with other widths (imgtrain's
 --box-head-dim 384 --mask-head-dim 64 --mask-head-convs 2): BackboneWithFPN(out_channels=96),
 TwoMLPHead(96 * 7 * 7, 384), MaskRCNNHeads(96, [64, 64], 1), MaskRCNNPredictor(64, 64, 3), and
 its RoIs pooled with MultiScaleRoIAlign(canonical_scale=112) (imgtrain's --roi-canonical-size 112).
+maskrcnn_resnet18_fpn also gets the mask loss and the pasted masks of Detectron2's mask conventions
+(loss_mask_detectron2, loss_mask_aligned, post<j>_masks_grid; see below).
 """
 import os, sys
 
@@ -28,7 +30,9 @@ from torchvision.models import resnet18
 from torchvision.models.detection.backbone_utils import BackboneWithFPN, resnet_fpn_backbone
 from torchvision.models.detection.faster_rcnn import FastRCNNPredictor, TwoMLPHead
 from torchvision.models.detection.mask_rcnn import MaskRCNNHeads, MaskRCNNPredictor
-from torchvision.ops import MultiScaleRoIAlign
+from torchvision.models.detection import roi_heads as roi_heads_module
+from torchvision.ops import MultiScaleRoIAlign, roi_align
+from torch.nn import functional as F
 
 out = sys.argv[1]
 os.makedirs(out, exist_ok=True)
@@ -145,6 +149,53 @@ for arch in ["maskrcnn_resnet18_fpn", "fasterrcnn_resnet18_fpn", "maskrcnn_resne
             det_utils.torch.randperm = orig
         for k, v in {**det_losses, **rpn_losses}.items():
             t["empty_loss_" + k.removeprefix("loss_")] = v.detach().reshape(1)
+    if arch == "maskrcnn_resnet18_fpn":
+        # imgtrain's --mask-convention detectron2 / aligned. Detectron2 is not on PyPI, so its two
+        # steps are written here as it documents them: the targets are roi_align of the gt mask with
+        # aligned=True and adaptive sampling (BitMasks.crop_and_resize), binarised at 0.5
+        # ("detectron2") or kept as fractions ("aligned"), in place of torchvision's
+        # project_masks_on_boxes; the paste samples each mask by grid_sample (bilinear, zeros
+        # outside, align_corners=False) at the centres of the pixels floor(x0) - 1 .. ceil(x1) + 1
+        # mapped into the float box (detectron2.layers.paste_masks_in_image on a CPU), float32.
+        def aligned_targets(binary):
+            def project(gt_masks, boxes, matched_idxs, M):
+                rois = torch.cat([matched_idxs.to(boxes)[:, None], boxes], 1)
+                m = roi_align(gt_masks[:, None].to(rois), rois, (M, M), 1.0, 0, True)[:, 0]
+                return (m >= 0.5).to(m.dtype) if binary else m
+            return project
+
+        saved = roi_heads_module.project_masks_on_boxes
+        for name, binary in [("detectron2", True), ("aligned", False)]:
+            roi_heads_module.project_masks_on_boxes = aligned_targets(binary)
+            det_utils.torch.randperm = lambda n, device=None, **kw: torch.arange(n, device=device)
+            try:
+                feats = model.backbone(il2.tensors)
+                props, _ = model.rpn(il2, feats, tt)
+                _, det_losses = model.roi_heads(feats, props, il2.image_sizes, tt)
+            finally:
+                det_utils.torch.randperm = orig
+                roi_heads_module.project_masks_on_boxes = saved
+            t[f"loss_mask_{name}"] = det_losses["loss_mask"].detach().reshape(1)
+
+        def grid_paste(masks, boxes, h, w):
+            out_masks = torch.zeros(len(masks), 1, h, w)
+            for i in range(len(masks)):
+                x0, y0, x1, y1 = boxes[i:i + 1].unbind(1)
+                xa = max(int(torch.floor(x0)) - 1, 0)
+                ya = max(int(torch.floor(y0)) - 1, 0)
+                xb = min(int(torch.ceil(x1)) + 1, w)
+                yb = min(int(torch.ceil(y1)) + 1, h)
+                if xb <= xa or yb <= ya:
+                    continue
+                gx = (torch.arange(xa, xb, dtype=torch.float32) + 0.5 - x0) / (x1 - x0) * 2 - 1
+                gy = (torch.arange(ya, yb, dtype=torch.float32) + 0.5 - y0) / (y1 - y0) * 2 - 1
+                grid = torch.stack([gx[None, :].expand(yb - ya, xb - xa), gy[:, None].expand(yb - ya, xb - xa)], 2)
+                out_masks[i, 0, ya:yb, xa:xb] = F.grid_sample(masks[i:i + 1], grid[None], align_corners=False)[0, 0]
+            return out_masks
+
+        for j, d in enumerate(dets):
+            h, w = images[j].shape[-2:]
+            t[f"post{j}_masks_grid"] = grid_paste(d["masks"], post[j]["boxes"], h, w)
     for k, v in sd.items():
         t["sd." + k] = v
     save_file(t, os.path.join(out, arch + ".safetensors"))

@@ -32,7 +32,8 @@ Refs load(const std::string& arch) {
 }
 
 // "<arch>_narrow": the model with make_rcnn_refs.py's other widths and level mapper.
-GeneralizedRCNN model_for(const std::string& ref, const Refs& r, int64_t mask_rois_per_image = 0) {
+GeneralizedRCNN model_for(const std::string& ref, const Refs& r, int64_t mask_rois_per_image = 0,
+                          RCNNOptions::MaskConvention mask_convention = RCNNOptions::MaskConvention::kTorchvision) {
   const std::string narrow = "_narrow";
   const bool is_narrow = ref.size() > narrow.size() && ref.ends_with(narrow);
   const std::string arch = is_narrow ? ref.substr(0, ref.size() - narrow.size()) : ref;
@@ -47,6 +48,7 @@ GeneralizedRCNN model_for(const std::string& ref, const Refs& r, int64_t mask_ro
   }
   o.deterministic_sampling = true;
   o.mask_rois_per_image = mask_rois_per_image;
+  o.mask_convention = mask_convention;
   const auto d = rcnn_defaults(arch);  // what the builder sets (the MobileNetV3 detectors' RPN numbers)
   o.rpn_pre_nms_top_n_test = d.rpn_pre_nms_top_n_test;
   o.rpn_post_nms_top_n_test = d.rpn_post_nms_top_n_test;
@@ -194,6 +196,60 @@ TEST_CASE("Mask R-CNN with --mask-rois-per-image caps the mask head's RoIs and c
     if (k == "loss_mask") CHECK(one.at(k) != v);  // the mean over one RoI per image
     else CHECK(one.at(k) == v);                   // the samplers and every other loss are untouched
   }
+}
+
+TEST_CASE("Mask R-CNN's Detectron2 mask conventions: aligned targets and the grid_sample paste", "[parity][rcnn]") {
+  using C = RCNNOptions::MaskConvention;
+  const auto r = load("maskrcnn_resnet18_fpn");
+  const auto b = batch(r);
+  std::vector<Target> targets;
+  for (int j = 0; j < 2; ++j) {
+    const std::string p = fmt::format("t{}_", j);
+    targets.push_back({r.get(p + "boxes"), r.get(p + "labels"), r.get(p + "masks")});
+  }
+  // Training: only the mask loss changes, to the one with Detectron2's targets (binarised) or
+  // with them kept as fractions.
+  std::map<std::string, std::map<std::string, double>> losses;
+  for (auto c : {C::kTorchvision, C::kDetectron2, C::kAligned}) {
+    auto m = model_for("maskrcnn_resnet18_fpn", r, 0, c);
+    m->train();
+    for (auto& [k, v] : m->forward(b, &targets).losses) losses[mask_convention_name(c)][k] = v.item<double>();
+  }
+  for (const std::string name : {"detectron2", "aligned"}) {
+    const double want = r.get("loss_mask_" + name).item<double>();
+    INFO(name << ": loss_mask " << losses[name]["loss_mask"] << " vs the reference's " << want);
+    CHECK(std::abs(losses[name]["loss_mask"] - want) <= 1e-5 * std::max(1.0, std::abs(want)));
+    CHECK(losses[name]["loss_mask"] != losses["torchvision"]["loss_mask"]);
+    for (auto& [k, v] : losses["torchvision"])
+      if (k != "loss_mask") CHECK(losses[name][k] == v);
+  }
+  // Evaluation: torchvision's detections (mask probabilities, boxes in the original size) pasted
+  // as Detectron2 pastes them.
+  const auto orig = batch(r, "orig_sizes").sizes;
+  int pasted = 0;
+  for (int j = 0; j < 2; ++j) {
+    const auto want = r.get(fmt::format("post{}_masks_grid", j));
+    Detections d;
+    d.boxes = r.get(fmt::format("post{}_boxes", j));
+    d.masks = r.get(fmt::format("det{}_masks", j));
+    REQUIRE(d.boxes.size(0) > 10);
+    auto soft = d;
+    postprocess(soft, orig[size_t(j)], orig[size_t(j)], 0.0, C::kDetectron2);  // same size: boxes as they are
+    check_close(soft.masks, want, 1e-6, "pasted masks");
+    CHECK(soft.masks.gt(0.5).any().item<bool>());
+    auto binary = d;
+    postprocess(binary, orig[size_t(j)], orig[size_t(j)], 0.5, C::kAligned);
+    REQUIRE(binary.masks.scalar_type() == at::kByte);
+    CHECK(torch::equal(binary.masks, want.ge(0.5).to(at::kByte)));  // prob >= 0.5, as Detectron2
+    pasted += int(d.boxes.size(0));
+  }
+  CHECK(pasted > 20);
+  // a box of no width or height pastes nothing (no pixel centre maps into it)
+  Detections e;
+  e.boxes = torch::tensor({{10.f, 10.f, 10.f, 30.f}, {5.f, 8.f, 25.f, 8.f}});
+  e.masks = torch::ones({2, 1, 28, 28});
+  postprocess(e, {40, 40}, {40, 40}, 0.5, C::kDetectron2);
+  CHECK(e.masks.sum().item<int64_t>() == 0);
 }
 
 TEST_CASE("Mask R-CNN R18-FPN evaluation equals torchvision's", "[parity][rcnn]") { eval_parity("maskrcnn_resnet18_fpn"); }

@@ -545,6 +545,7 @@ TEST_CASE("a Detectron2 config maps onto the same settings, _BASE_ and Detectron
   CHECK(*c.min_size_test == 800);
   CHECK(c.max_size == 1333);
   CHECK(c.roi_align_v2);
+  CHECK(c.mask_convention == "detectron2");  // Detectron2's mask targets and paste (no key selects them)
   CHECK(c.box_sampling_ratio == 0);
   CHECK(c.box_loss == "l1");
   CHECK(c.rpn_box_loss == "l1");

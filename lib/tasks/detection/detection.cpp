@@ -110,7 +110,7 @@ engine::EvalOutputs DetectionTask::forward_eval(torch::nn::Module& model, const 
     auto& d = res.detections[i];
     model_zoo::detection::postprocess(d, input.sizes[i], {sizes[int64_t(i)][0].item<int64_t>(),
                                                           sizes[int64_t(i)][1].item<int64_t>()},
-                                      /*threshold=*/0.5);
+                                      /*threshold=*/0.5, o_.rcnn.mask_convention);
     boxes.push_back(d.boxes);
     scores.push_back(d.scores);
     labels.push_back(d.labels);
