@@ -66,6 +66,16 @@ ImageBatch batch(const Refs& r, const char* key = "sizes") {
   return b;
 }
 
+// The references' two training targets (t0_*, t1_*).
+std::vector<Target> targets_of(const Refs& r) {
+  std::vector<Target> targets;
+  for (int j = 0; j < 2; ++j) {
+    const std::string p = fmt::format("t{}_", j);
+    targets.push_back({r.get(p + "boxes"), r.get(p + "labels"), r.get(p + "masks")});
+  }
+  return targets;
+}
+
 void check_close(const at::Tensor& got, const at::Tensor& want, double atol, const std::string& what) {
   INFO(what << ": got " << got.sizes() << " want " << want.sizes());
   REQUIRE(got.sizes() == want.sizes());
@@ -106,11 +116,7 @@ void train_parity(const std::string& arch) {
   auto m = model_for(arch, r);
   m->train();
   const auto b = batch(r);
-  std::vector<Target> targets;
-  for (int j = 0; j < 2; ++j) {
-    const std::string p = fmt::format("t{}_", j);
-    targets.push_back({r.get(p + "boxes"), r.get(p + "labels"), r.get(p + "masks")});
-  }
+  const auto targets = targets_of(r);
   auto res = m->forward(b, &targets);
   std::vector<std::string> names;
   at::Tensor total;
@@ -174,11 +180,7 @@ void train_parity_empty(const std::string& arch) {
 TEST_CASE("Mask R-CNN with --mask-rois-per-image caps the mask head's RoIs and changes nothing else", "[parity][rcnn]") {
   const auto r = load("maskrcnn_resnet18_fpn");
   const auto b = batch(r);
-  std::vector<Target> targets;
-  for (int j = 0; j < 2; ++j) {
-    const std::string p = fmt::format("t{}_", j);
-    targets.push_back({r.get(p + "boxes"), r.get(p + "labels"), r.get(p + "masks")});
-  }
+  const auto targets = targets_of(r);
   auto losses = [&](int64_t cap) {
     auto m = model_for("maskrcnn_resnet18_fpn", r, cap);
     m->train();
@@ -202,11 +204,7 @@ TEST_CASE("Mask R-CNN's Detectron2 mask conventions: aligned targets and the gri
   using C = RCNNOptions::MaskConvention;
   const auto r = load("maskrcnn_resnet18_fpn");
   const auto b = batch(r);
-  std::vector<Target> targets;
-  for (int j = 0; j < 2; ++j) {
-    const std::string p = fmt::format("t{}_", j);
-    targets.push_back({r.get(p + "boxes"), r.get(p + "labels"), r.get(p + "masks")});
-  }
+  const auto targets = targets_of(r);
   // Training: only the mask loss changes, to the one with Detectron2's targets (binarised) or
   // with them kept as fractions.
   std::map<std::string, std::map<std::string, double>> losses;
