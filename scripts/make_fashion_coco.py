@@ -5,7 +5,10 @@ real Fashion-MNIST pictures (no download; reads the local gzip IDX files).
 Each canvas (width/height drawn within +-25% of --size) gets a dark background
 (noise or a soft gradient) and 1-5 Fashion-MNIST items (train IDX for train2017,
 t10k for val2017), each scaled 1-3x (bilinear), optionally tinted, pasted fully
-inside the canvas.  Mask = scaled pixels > 40 minus what later items cover.  An item
+inside the canvas.  Mask = scaled pixels > 40 minus what later items cover; an item
+is placed elsewhere (up to 20 draws, else left out) where it would cover more than
+--max-cover (default 25%) of an earlier item, so items overlap sometimes and none is
+mostly hidden.  An item
 is opaque inside its mask (colour x the picture's intensity), so what its mask hides
 is hidden in the picture too; the faint rim below the threshold blends in.  Items
 with < 30 visible pixels are dropped.  About half of the annotations carry polygons
@@ -17,7 +20,7 @@ Writes OUT_DIR/{train2017,val2017}/NNNNNNNNNNNN.png and
 OUT_DIR/annotations/instances_{train2017,val2017}.json.  Same seed -> identical
 bytes.  Usage:
   python scripts/make_fashion_coco.py OUT_DIR [--train N] [--val M] [--seed S]
-         [--size W H] [--classes K]
+         [--size W H] [--classes K] [--max-cover F]
 """
 import argparse
 import contextlib
@@ -39,6 +42,7 @@ CLASS_NAMES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
 THRESH = 40        # pixel value (of 255) above which an item pixel is "object"
 MIN_VISIBLE = 30   # items with fewer visible pixels are dropped
 MIN_COMPONENT = 6  # polygon components smaller than this are dropped
+PLACE_TRIES = 20   # placements drawn for an item before it is left out (see --max-cover)
 # 8 neighbours, clockwise on screen (y down), starting west: (dx, dy)
 DIRS = [(-1, 0), (-1, -1), (0, -1), (1, -1), (1, 0), (1, 1), (0, 1), (-1, 1)]
 DIR_INDEX = {d: i for i, d in enumerate(DIRS)}
@@ -174,7 +178,7 @@ def background(rng, h, w):
     return np.clip(bg, 0, 70).astype(np.float32)
 
 
-def make_split(name, n, first_id, images, labels, rng, size, k, out_dir):
+def make_split(name, n, first_id, images, labels, rng, size, k, max_cover, out_dir):
     pool = np.flatnonzero(labels < k)
     by_class = [np.flatnonzero(labels == c) for c in range(k)]
     crowd_imgs = set(rng.choice(n, max(1, round(0.05 * n)), replace=False).tolist()) if n else set()
@@ -205,18 +209,47 @@ def make_split(name, n, first_id, images, labels, rng, size, k, out_dir):
                 y = int(np.clip(cy + (j // 2) * step + rng.integers(-3, 4), 0, h - side))
                 parts.append((int(by_class[c][rng.integers(len(by_class[c]))]), side, x, y))
             plans.insert(int(rng.integers(len(plans) + 1)), (c, True, parts))
-        for oid, (_, _, parts) in enumerate(plans):
+        # Paint in plan order. A placement that would leave an earlier item (a crowd region: its
+        # union) with less than 1 - max_cover of its pixels visible is drawn again, up to
+        # PLACE_TRIES times, then the item is left out: items overlap sometimes, and no item is
+        # mostly hidden (max_cover 1 places every item where it was first drawn).
+        full, kept = [], []
+        for cat, crowd, parts in plans:
+            patches = [np.asarray(Image.fromarray(images[src]).resize((side, side), Image.BILINEAR))
+                       for src, side, _, _ in parts]
             color = rng.integers(40, 256, 3) if rng.random() < 0.6 else np.array([255, 255, 255])
             color = color * (255.0 / color.max())  # bright tint: max channel 255
-            for src, side, x, y in parts:
-                patch = np.asarray(Image.fromarray(images[src]).resize((side, side), Image.BILINEAR))
+            oid = len(kept)
+            for attempt in range(PLACE_TRIES):
+                if attempt:  # move the item (a crowd region as a whole) somewhere else
+                    x0 = min(x for _, _, x, _ in parts)
+                    y0 = min(y for _, _, _, y in parts)
+                    span_w = max(x + side for _, side, x, _ in parts) - x0
+                    span_h = max(y + side for _, side, _, y in parts) - y0
+                    dx = int(rng.integers(0, w - span_w + 1)) - x0
+                    dy = int(rng.integers(0, h - span_h + 1)) - y0
+                    parts = [(src, side, x + dx, y + dy) for src, side, x, y in parts]
+                trial = owner.copy()
+                for (src, side, x, y), patch in zip(parts, patches):
+                    trial[y:y + side, x:x + side][patch > THRESH] = oid
+                counts = np.bincount(trial[trial >= 0], minlength=oid + 1)
+                if all(counts[j] >= (1.0 - max_cover) * full[j] for j in range(oid)):
+                    break
+            else:
+                continue
+            owner = trial
+            full.append(int(counts[oid]))
+            kept.append((cat, crowd, parts))
+            for (src, side, x, y), patch in zip(parts, patches):
                 shade = (patch.astype(np.float32) / 255.0)[..., None]
                 # Opaque inside the item's mask (what lies below is hidden, as its mask says),
                 # shaded by the picture's intensity; the faint rim outside the mask blends in.
                 a = np.where(patch[..., None] > THRESH, np.float32(1.0), shade)
                 region = canvas[y:y + side, x:x + side]
                 canvas[y:y + side, x:x + side] = region * (1 - a) + color.astype(np.float32) * shade
-                owner[y:y + side, x:x + side][patch > THRESH] = oid
+        plans = kept
+        visible = np.bincount(owner[owner >= 0], minlength=len(kept))
+        assert all(visible[j] >= (1.0 - max_cover) * full[j] for j in range(len(kept))), "--max-cover broken"
         Image.fromarray(np.clip(np.rint(canvas), 0, 255).astype(np.uint8), "RGB").save(
             os.path.join(img_dir, f"{img_id:012d}.png"))
         coco_imgs.append({"id": img_id, "file_name": f"{img_id:012d}.png", "width": w, "height": h})
@@ -275,8 +308,13 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--size", type=int, nargs=2, default=[160, 128], metavar=("W", "H"))
     ap.add_argument("--classes", type=int, default=10, choices=range(1, 11))
+    ap.add_argument("--max-cover", type=float, default=0.25,
+                    help="the most of an item's pixels that later items may cover (default 0.25; "
+                         "1 = no limit, the placement of datasets made before 2026-12-05)")
     args = ap.parse_args()
     assert min(args.size) >= 48, "--size too small"
+    if not 0.0 <= args.max_cover <= 1.0:
+        ap.error("--max-cover must be within [0, 1]")
     os.makedirs(os.path.join(args.out_dir, "annotations"), exist_ok=True)
     summary = []
     for si, (name, kind, n, first_id) in enumerate([("train2017", "train", args.train, 1),
@@ -284,7 +322,7 @@ def main():
         images, labels = load_idx(kind)
         rng = np.random.default_rng([args.seed, si])
         data, n_crowd = make_split(name, n, first_id, images, labels, rng, args.size,
-                                   args.classes, args.out_dir)
+                                   args.classes, args.max_cover, args.out_dir)
         path = os.path.join(args.out_dir, "annotations", f"instances_{name}.json")
         with open(path, "w") as f:
             json.dump(data, f, separators=(",", ":"))
