@@ -15,7 +15,6 @@
 #include "ops/norm_act.h"
 #include "ops/depthwise.h"
 #include "ops/mlp.h"
-#include "ops/attention.h"
 #include "ops/se_gate.h"
 #include "optim/optim.h"
 #include "core/rng.h"
@@ -1537,48 +1536,4 @@ TEST_CASE("convolutions with taps on padding only run trimmed: same outputs and 
   auto y = model_zoo::trimmed_conv2d(x, w, {}, {2, 2}, {1, 1}, {1, 1}, 1);
   REQUIRE(y.defined());
   CHECK(torch::allclose(y, at::conv2d(x, w, {}, {2, 2}, {1, 1}), 1e-5, 1e-5));
-}
-
-TEST_CASE("attention per head from the qkv projection equals scaled_dot_product_attention, forward and backward",
-          "[ops][models]") {
-  // [B, N, C, heads]: a ViT-S block at batch 2, odd sizes, one token, one head
-  const std::vector<std::array<int64_t, 4>> shapes = {{2, 197, 384, 6}, {3, 17, 24, 3}, {1, 1, 8, 2}, {2, 5, 12, 1}};
-  for (bool aten_gemm : {false, true})
-    for (const auto& [B, N, C, H] : shapes) {
-      INFO("B " << B << " N " << N << " C " << C << " heads " << H << (aten_gemm ? " at::addmm_out" : " BLAS"));
-      torch::manual_seed(5);
-      const auto x0 = torch::randn({B, N, 3 * C}), g = torch::randn({B, N, C});
-      REQUIRE(ops::attention_from_qkv_supported(x0, H));
-      // timm's Attention: reshape, permute, unbind, F.scaled_dot_product_attention, transpose, reshape
-      auto reference = [&](const at::Tensor& x) {
-        const auto p = x.reshape({B, N, 3, H, C / H}).permute({2, 0, 3, 1, 4}).unbind(0);
-        return at::scaled_dot_product_attention(p[0], p[1], p[2]).transpose(1, 2).reshape({B, N, C});
-      };
-      auto run = [&](int which) {  // 0 ours, 1 timm's ops in float32, 2 timm's ops in float64
-        auto x = (which == 2 ? x0.to(at::kDouble) : x0.clone()).requires_grad_(true);
-        ops::attention_force_aten_gemm(aten_gemm);
-        auto y = which == 0 ? ops::attention_from_qkv(x, H) : reference(x);
-        ops::attention_force_aten_gemm(false);
-        y.backward(g.to(y.scalar_type()));
-        return std::pair{y.detach().to(at::kDouble), x.grad().to(at::kDouble)};
-      };
-      const auto [y, gx] = run(0);
-      const auto [y32, gx32] = run(1);
-      const auto [y64, gx64] = run(2);
-      REQUIRE(y.sizes() == y64.sizes());
-      REQUIRE(gx.sizes() == gx64.sizes());
-      // as close to the float64 result as torch's own float32 kernel is (to a small factor)
-      CHECK(rel_err(y, y64) < 1e-6);
-      CHECK(rel_err(gx, gx64) < 1e-6);
-      CHECK(rel_err(y, y64) <= 4 * rel_err(y32, y64) + 1e-7);
-      CHECK(rel_err(gx, gx64) <= 4 * rel_err(gx32, gx64) + 1e-7);
-    }
-  // one head's probabilities fill a row of ones: every token attends to all, v passes as a mean
-  auto x = torch::zeros({1, 4, 6});
-  x.slice(2, 4, 6).copy_(torch::arange(8, torch::kFloat).reshape({4, 2}));
-  auto y = ops::attention_from_qkv(x, 1);
-  CHECK(torch::allclose(y, torch::tensor({3.f, 4.f}).expand({1, 4, 2})));
-  CHECK_FALSE(ops::attention_from_qkv_supported(torch::zeros({1, 4, 7}), 1));
-  CHECK_FALSE(ops::attention_from_qkv_supported(torch::zeros({1, 4, 6}, torch::kDouble), 1));
-  CHECK_FALSE(ops::attention_from_qkv_supported(torch::zeros({4, 6}), 1));
 }
