@@ -1,6 +1,7 @@
 #include "optim/optim.h"
 
 #include "core/error.h"
+#include "ops/optim_step.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -280,9 +281,10 @@ class Sgd : public Optimizer {
     p.add_(d, -g.lr);
   }
 
- private:
   double momentum_;
   bool nesterov_;
+
+ private:
   std::string impl_;
 };
 
@@ -384,11 +386,12 @@ class AdamW : public Optimizer {
 };
 
 // timm's RMSpropTF (TensorFlow-style RMSprop): the square average starts at one, eps goes inside
-// the square root, and the learning rate is applied inside the momentum buffer.
+// the square root, and the learning rate is applied inside the momentum buffer. On the CPU one
+// pass per parameter (ops::rmsprop_tf_step, bitwise this loop) unless impl is "loop".
 class RmspropTF : public Optimizer {
  public:
-  RmspropTF(std::vector<ParamGroup> g, double alpha, double eps, double momentum)
-      : alpha_(alpha), eps_(eps), momentum_(momentum) {
+  RmspropTF(std::vector<ParamGroup> g, double alpha, double eps, double momentum, std::string impl)
+      : alpha_(alpha), eps_(eps), momentum_(momentum), impl_(std::move(impl)) {
     groups_ = std::move(g);
   }
   void step() override {
@@ -398,6 +401,18 @@ class RmspropTF : public Optimizer {
       if (!square_avg.defined()) square_avg = torch::ones_like(p);  // TF starts at one, torch at zero
       s.step += 1;
       auto grad = p.grad();
+      if (impl_ != "loop") {
+        at::Tensor buf;
+        if (momentum_ > 0) {
+          auto& b = s.buf["momentum_buffer"];
+          if (!b.defined()) b = torch::zeros_like(p);
+          buf = b;
+        }
+        if (ops::optim_step_supported(p, {grad, square_avg, buf})) {
+          ops::rmsprop_tf_step(p, grad, square_avg, buf, g.lr, alpha_, eps_, g.weight_decay, momentum_);
+          return;
+        }
+      }
       if (g.weight_decay != 0) grad = grad.add(p, g.weight_decay);
       square_avg.add_(grad.pow(2) - square_avg, 1.0 - alpha_);
       auto avg = square_avg.add(eps_).sqrt_();
@@ -414,6 +429,7 @@ class RmspropTF : public Optimizer {
 
  private:
   double alpha_, eps_, momentum_;
+  std::string impl_;
 };
 
 // timm's Lamb (bias correction, grad averaging, global gradient-norm clipping at max_grad_norm 1):
@@ -421,8 +437,8 @@ class RmspropTF : public Optimizer {
 // one for lambc) when the tensor is decayed.
 class Lamb : public Optimizer {
  public:
-  Lamb(std::vector<ParamGroup> g, double b1, double b2, double eps, bool trust_clip)
-      : b1_(b1), b2_(b2), eps_(eps), trust_clip_(trust_clip) {
+  Lamb(std::vector<ParamGroup> g, double b1, double b2, double eps, bool trust_clip, std::string impl)
+      : b1_(b1), b2_(b2), eps_(eps), trust_clip_(trust_clip), impl_(std::move(impl)) {
     groups_ = std::move(g);
   }
   void step() override {
@@ -440,10 +456,26 @@ class Lamb : public Optimizer {
       if (!m.defined()) m = torch::zeros_like(p);
       if (!v.defined()) v = torch::zeros_like(p);
       s.step += 1;
+      const double bc1 = 1.0 - std::pow(b1_, s.step), bc2 = 1.0 - std::pow(b2_, s.step);
+      // On the CPU: one pass for the moments and the update, the two norms, one pass to apply it
+      // (ops::lamb_moments / lamb_apply, bitwise the ATen ops below; lerp's other formula for a
+      // weight of 0.5 or more is left to the loop).
+      if (impl_ != "loop" && 1.0 - b1_ < 0.5 && ops::optim_step_supported(p, {p.grad(), m, v})) {
+        auto update = at::empty_like(p);
+        ops::lamb_moments(p, p.grad(), m, v, update, clip.item<double>(), b1_, b2_, bc1, bc2, eps_, g.weight_decay);
+        double trust = 1.0;
+        if (g.weight_decay != 0) {
+          auto w = p.norm(), u = update.norm();
+          auto t = trust_or_one(w / u, w, u);
+          if (trust_clip_) t = t.clamp_max(1.0);
+          trust = t.item<double>();
+        }
+        ops::lamb_apply(p, update, g.lr, g.weight_decay != 0, trust);
+        return;
+      }
       auto grad = p.grad() / clip;
       m.lerp_(grad, 1.0 - b1_);
       v.mul_(b2_).addcmul_(grad, grad, 1.0 - b2_);
-      const double bc1 = 1.0 - std::pow(b1_, s.step), bc2 = 1.0 - std::pow(b2_, s.step);
       auto update = (m / bc1).div_((v.sqrt() / std::sqrt(bc2)).add_(eps_));
       if (g.weight_decay != 0) {
         update.add_(p, g.weight_decay);
@@ -459,31 +491,48 @@ class Lamb : public Optimizer {
  private:
   double b1_, b2_, eps_;
   bool trust_clip_;
+  std::string impl_;
   double max_grad_norm_ = 1.0;
 };
 
 // timm's Lars: for decayed tensors the gradient plus L2 decay is scaled by the trust ratio
 // trust_coeff * |w| / (|g| + wd |w| + eps) (larc: divided by lr and clipped at one), then SGD
 // momentum (nlars: Nesterov).
+// On the CPU the step after the two norms is one pass (ops::lars_sgd_step, bitwise the loop)
+// unless impl is "loop".
 class Lars : public Sgd {
  public:
-  Lars(std::vector<ParamGroup> g, double momentum, bool nesterov, bool trust_clip)
-      : Sgd(std::move(g), momentum, nesterov, "loop"), trust_clip_(trust_clip) {}
+  Lars(std::vector<ParamGroup> g, double momentum, bool nesterov, bool trust_clip, std::string impl)
+      : Sgd(std::move(g), momentum, nesterov, "loop"), trust_clip_(trust_clip), lars_impl_(std::move(impl)) {}
   void step() override {
     each_with_grad([&](ParamGroup& g, const std::string& name, at::Tensor& p) {
       auto d = p.grad();
+      at::Tensor trust;
       if (g.weight_decay != 0) {
         auto w = p.norm(), gn = d.norm();
-        auto trust = trust_or_one(trust_coeff_ * w / (gn + w * g.weight_decay + eps_), w, gn);
+        trust = trust_or_one(trust_coeff_ * w / (gn + w * g.weight_decay + eps_), w, gn);
         if (trust_clip_) trust = (trust / g.lr).clamp_max(1.0);
-        d = d.add(p, g.weight_decay).mul_(trust);
       }
+      if (lars_impl_ != "loop" && ops::optim_step_supported(p, {d})) {
+        auto& bufs = state_[name].buf;
+        auto it = bufs.find("momentum_buffer");
+        const bool first = momentum_ != 0 && it == bufs.end();
+        at::Tensor buf = momentum_ == 0 ? at::Tensor() : first ? at::empty_like(p) : it->second;
+        if (ops::optim_step_supported(p, {buf})) {
+          ops::lars_sgd_step(p, d, buf, first, g.lr, g.weight_decay, trust.defined() ? trust.item<double>() : 1.0,
+                             momentum_, nesterov_);
+          if (first) bufs.emplace("momentum_buffer", buf);
+          return;
+        }
+      }
+      if (trust.defined()) d = d.add(p, g.weight_decay).mul_(trust);
       momentum_step(g, name, p, d);
     });
   }
 
  private:
   bool trust_clip_;
+  std::string lars_impl_;
   double trust_coeff_ = 0.001, eps_ = 1e-8;
 };
 
@@ -517,11 +566,12 @@ std::unique_ptr<Optimizer> create_optimizer(const OptimizerArgs& a,
   if (opt == "adam" || opt == "adamw")
     return std::make_unique<AdamW>(std::move(groups), a.beta1, a.beta2, a.eps.value_or(1e-8), opt == "adamw", impl);
   if (a.opt == "rmsproptf")
-    return std::make_unique<RmspropTF>(std::move(groups), 0.9, a.eps.value_or(1e-10), a.momentum);
+    return std::make_unique<RmspropTF>(std::move(groups), 0.9, a.eps.value_or(1e-10), a.momentum, impl);
   if (a.opt == "lamb" || a.opt == "lambc")
-    return std::make_unique<Lamb>(std::move(groups), a.beta1, a.beta2, a.eps.value_or(1e-6), a.opt == "lambc");
+    return std::make_unique<Lamb>(std::move(groups), a.beta1, a.beta2, a.eps.value_or(1e-6), a.opt == "lambc",
+                                  impl);
   if (a.opt == "lars" || a.opt == "larc" || a.opt == "nlars" || a.opt == "nlarc")
-    return std::make_unique<Lars>(std::move(groups), a.momentum, a.opt[0] == 'n', a.opt.back() == 'c');
+    return std::make_unique<Lars>(std::move(groups), a.momentum, a.opt[0] == 'n', a.opt.back() == 'c', impl);
   throw std::invalid_argument("unknown optimizer '" + a.opt + "'");
 }
 

@@ -539,12 +539,13 @@ namespace {
 // A few steps of an optimizer over parameters of every shape the fused kernels meet: a
 // channels-last convolution weight with a channels-last gradient, one with a contiguous gradient
 // (layouts differ: the loop must take it), a matrix, a bias (no weight decay) and a parameter
-// whose first gradient comes at the third step; the lr changes half-way. Returns the parameters
-// after each step (on the CPU) and the optimizer.
+// whose first gradient comes at the third step; the lr changes half-way (with `big`, also a matrix
+// of 34,639 elements, which ATen's element-wise ops split among threads with a partial vector at
+// the split). Returns the parameters after each step (on the CPU) and the optimizer.
 std::pair<std::vector<at::Tensor>, std::unique_ptr<optim::Optimizer>> optimizer_trace(
     const std::string& opt, const std::string& impl, torch::Device dev, double momentum = 0.9, int steps = 6,
     std::unique_ptr<optim::Optimizer> resume_into = nullptr, int first_step = 0,
-    const std::vector<at::Tensor>& start = {}) {
+    const std::vector<at::Tensor>& start = {}, bool big = false, at::ScalarType dtype = at::kFloat) {
   torch::manual_seed(3);
   const auto cl = at::MemoryFormat::ChannelsLast;
   std::vector<std::pair<std::string, at::Tensor>> named = {
@@ -553,8 +554,9 @@ std::pair<std::vector<at::Tensor>, std::unique_ptr<optim::Optimizer>> optimizer_
       {"fc.weight", torch::randn({10, 7})},
       {"fc.bias", torch::randn({10})},
       {"late.weight", torch::randn({5, 5})}};
+  if (big) named.emplace_back("big.weight", torch::randn({67, 517}));
   for (size_t i = 0; i < start.size(); ++i) named[i].second.copy_(start[i]);
-  for (auto& [n, p] : named) p = p.to(dev).requires_grad_(true);
+  for (auto& [n, p] : named) p = p.to(dev, dtype).requires_grad_(true);
   optim::OptimizerArgs a;
   a.opt = opt;
   a.impl = impl;
@@ -572,7 +574,7 @@ std::pair<std::vector<at::Tensor>, std::unique_ptr<optim::Optimizer>> optimizer_
     if (step + first_step == 3) o->set_lr(a.lr / 2);
     torch::manual_seed(100 + step + first_step);
     for (auto& [n, p] : named) {
-      auto g = torch::randn(p.sizes());
+      auto g = torch::randn(p.sizes()).to(dtype);
       if (n == "conv.weight") g = g.contiguous(cl);
       if (n == "late.weight" && step + first_step < 2) continue;
       p.mutable_grad() = g.to(dev);
@@ -663,6 +665,30 @@ TEST_CASE("optimizers through ATen's fused and multi-tensor kernels equal the pe
   a.impl = "fastest";
   auto w = torch::zeros({2}, torch::requires_grad());
   CHECK_THROWS_WITH(optim::create_optimizer(a, {{"w", w}}), Catch::Contains("unknown optimizer implementation"));
+}
+
+TEST_CASE("RMSpropTF, LAMB and LARS step a parameter in one pass, bit for bit their loops", "[optim]") {
+  const torch::Device cpu(torch::kCPU);
+  for (auto dtype : {at::kFloat, at::kDouble})
+    for (std::string opt : {"rmsproptf", "lamb", "lambc", "lars", "larc", "nlars", "nlarc"})
+      for (double momentum : {0.9, 0.0}) {
+        if (opt.find("lamb") != std::string::npos && momentum == 0) continue;  // no momentum in LAMB
+        INFO(opt << " momentum " << momentum << " " << dtype);
+        auto [loop, lo] = optimizer_trace(opt, "loop", cpu, momentum, 6, nullptr, 0, {}, true, dtype);
+        std::pair<std::vector<at::Tensor>, std::unique_ptr<optim::Optimizer>> fast;
+        const auto ran = ops_called([&] { fast = optimizer_trace(opt, "auto", cpu, momentum, 6, nullptr, 0, {}, true, dtype); });
+        // a second implementation ran, not the loop again
+        const std::string kernel = opt == "rmsproptf" ? "imgtrain::rmsprop_tf_step"
+                                   : opt.find("lamb") != std::string::npos ? "imgtrain::lamb_moments"
+                                                                           : "imgtrain::lars_sgd_step";
+        CHECK(ran.count(kernel) == 1);
+        CHECK(same_bits(fast.first, loop));
+        // and left the state the loop leaves (a resumed run continues either way)
+        std::vector<at::Tensor> st_loop, st_fast;
+        for (auto& [k, t] : lo->state()) st_loop.push_back(t);
+        for (auto& [k, t] : fast.second->state()) st_fast.push_back(t);
+        CHECK(same_bits(st_fast, st_loop));
+      }
 }
 
 TEST_CASE("damaged optimizer state in a checkpoint is refused by name", "[optim][fault]") {
