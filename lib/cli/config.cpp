@@ -252,16 +252,21 @@ const std::vector<Flag>& flags() {
       {"fuse-bn", "", &Config::fuse_bn,
        "Fuse each conv block's BatchNorm with what surrounds it (float32, no autocast). Inference: folded into the "
        "convolution before it; on the CPU the bias, residual add and activation run as oneDNN post-ops. Training "
-       "(CPU): batch statistics, normalisation, residual add and activation in one kernel each way. benchmark "
-       "inference: on unless --fuse-bn=false; train, benchmark --bench train and validate: off unless given "
-       "(results then differ from timm's by float rounding)",
+       "(CPU): batch statistics, normalisation, residual add and activation in one kernel each way. Default: on for "
+       "benchmark inference, and for CPU float32 training of the ResNet, EfficientNet and MobileNetV3 families "
+       "(with channels-last; results then differ from timm's by float rounding); off for validate and otherwise. "
+       "--no-fuse-bn (or --fuse-bn=false) turns it off",
        TRAIN | VALIDATE | BENCH},
       {"profile", "", &Config::profile,
        "Print where the timed steps go: forward / backward / optimizer and the ops with the most self time "
        "(host time of each op call; on CUDA that is launch time, use Nsight for kernels)",
        BENCH},
       {"num-bench-iter", "", &Config::num_bench_iter, "Benchmark iterations", BENCH, {}, positive},
-      {"channels-last", "", &Config::channels_last, "Channels-last (NHWC) memory layout for weights and inputs", ALL},
+      {"channels-last", "", &Config::channels_last,
+       "Channels-last (NHWC) memory layout for weights and inputs. Default: on for CPU float32 training of the "
+       "ResNet, EfficientNet and MobileNetV3 families (measured faster, docs/performance.md), off otherwise; "
+       "--no-channels-last (or --channels-last=false) turns it off",
+       ALL},
       {"tf32", "", &Config::tf32, "CUDA: float32 matmuls and convolutions in TF32 (Ampere and newer)", ALL},
       // distributed
       // detection (torchvision's references/detection/train.py names)
@@ -770,6 +775,18 @@ std::optional<Config> parse(Command cmd, const std::vector<std::string>& in_args
   std::vector<std::string> args;
   for (size_t i = 0; i < in_args.size(); ++i) {
     std::string a = in_args[i];
+    // --no-X for a boolean flag --X (argparse's BooleanOptionalAction): --X=false
+    if (a.rfind("--no-", 0) == 0 && a.find('=') == std::string::npos) {
+      const std::string base = a.substr(5);
+      bool own = false;  // --no-aug and the like are flags of their own
+      const Flag* neg = nullptr;
+      for (auto& f : flags()) {
+        if (!(f.cmds & bit)) continue;
+        if (a.substr(2) == f.name) own = true;
+        if (base == f.name && std::holds_alternative<bool Config::*>(f.field)) neg = &f;
+      }
+      if (!own && neg) a = std::string("--") + neg->name + "=false";
+    }
     for (auto& f : flags()) {
       if (!(f.cmds & bit)) continue;
       std::string alias = f.alias;

@@ -14,6 +14,28 @@
 #include <stdexcept>
 #include <vector>
 
+#ifdef IMGTRAIN_WITH_CUDA
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+
+namespace imgtrain::ops::cuda {  // norm_act_cuda.cu; each returns the cudaError_t of its launches
+int64_t norm_act_chunk(int64_t M);
+template <typename T>
+int bn_stats(const T* x, int64_t N, int64_t C, int64_t HW, bool cl, double momentum, double eps, T* mean, T* invstd,
+             T* rm, T* rv, double* pa, double* pb, cudaStream_t stream);
+template <typename T>
+int bn_act_forward(const T* x, const T* r, T* out, int64_t N, int64_t C, int64_t HW, bool cl, const T* scale,
+                   const T* shift, const T* mean, int act, cudaStream_t stream);
+template <typename T>
+int bn_act_backward(const T* g, const T* x, const T* r, T* gy, T* gx, int64_t N, int64_t C, int64_t HW, bool cl,
+                    const T* scale, const T* shift, const T* mean, const T* invstd, int act, T* b, T* d, T* gw,
+                    T* gb, double* pa, double* pb, cudaStream_t stream);
+}  // namespace imgtrain::ops::cuda
+#endif
+
 namespace imgtrain::ops {
 namespace {
 
@@ -422,12 +444,66 @@ std::vector<T> bn_scale(const at::Tensor& w, const at::Tensor& invstd) {
 // Autograd's custom functions take defined tensors only: no residual is an empty one.
 bool has_residual(const at::Tensor& r) { return r.defined() && r.numel() > 0; }
 
+#ifdef IMGTRAIN_WITH_CUDA
+void check_cuda(int err, const char* what) {
+  if (err != 0)
+    throw std::runtime_error(std::string(what) + ": CUDA error " + cudaGetErrorString(cudaError_t(err)));
+}
+
+// scale = weight * invstd in double, rounded once (bn_scale's arithmetic), on the device.
+at::Tensor device_scale(const at::Tensor& w, const at::Tensor& invstd) {
+  return (w.to(at::kDouble) * invstd.to(at::kDouble)).to(w.scalar_type()).contiguous();
+}
+
+template <typename T>
+at::Tensor cuda_forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                        const at::Tensor& residual, const at::Tensor& mean, const at::Tensor& invstd, int64_t act) {
+  c10::cuda::CUDAGuard guard(x.device());
+  const auto g = geometry(x);
+  const auto scale = device_scale(weight, invstd), shift = bias.contiguous();
+  auto out = at::empty_like(x);
+  check_cuda(cuda::bn_act_forward<T>(x.data_ptr<T>(), has_residual(residual) ? residual.data_ptr<T>() : nullptr,
+                                     out.data_ptr<T>(), g.N, g.C, g.HW, g.channels_last, scale.data_ptr<T>(),
+                                     shift.data_ptr<T>(), mean.data_ptr<T>(), int(act),
+                                     c10::cuda::getCurrentCUDAStream().stream()),
+             "batch_norm_act forward");
+  return out;
+}
+
+template <typename T>
+torch::autograd::variable_list cuda_backward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                                             const at::Tensor& residual, const at::Tensor& mean,
+                                             const at::Tensor& invstd, int64_t act, const at::Tensor& grad) {
+  c10::cuda::CUDAGuard guard(x.device());
+  const auto g = geometry(x);
+  const int64_t C = g.C, M = g.count(), chunk = cuda::norm_act_chunk(M), chunks = (M + chunk - 1) / chunk;
+  const auto scale = device_scale(weight, invstd), shift = bias.contiguous();
+  const bool res = has_residual(residual);
+  at::Tensor gy = res ? at::empty_like(x) : at::Tensor();
+  auto gx = at::empty_like(x);
+  auto per_channel = at::empty({4, C}, x.options());  // b, d, grad weight, grad bias
+  auto part = at::empty({2, chunks, C}, x.options().dtype(at::kDouble));
+  T* pc = per_channel.data_ptr<T>();
+  check_cuda(cuda::bn_act_backward<T>(grad.data_ptr<T>(), x.data_ptr<T>(), res ? residual.data_ptr<T>() : nullptr,
+                                      res ? gy.data_ptr<T>() : nullptr, gx.data_ptr<T>(), g.N, C, g.HW,
+                                      g.channels_last, scale.data_ptr<T>(), shift.data_ptr<T>(), mean.data_ptr<T>(),
+                                      invstd.data_ptr<T>(), int(act), pc, pc + C, pc + 2 * C, pc + 3 * C,
+                                      part.data_ptr<double>(), part.data_ptr<double>() + chunks * C,
+                                      c10::cuda::getCurrentCUDAStream().stream()),
+             "batch_norm_act backward");
+  return {gx, per_channel[2], per_channel[3], res ? gy : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+}
+#endif
+
 template <typename T>
 at::Tensor bn_act_forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                         const at::Tensor& residual, const at::Tensor& mean, const at::Tensor& invstd,
                         int64_t act_code) {
   const auto g = geometry(x);
   const auto act = NormAct(act_code);
+#ifdef IMGTRAIN_WITH_CUDA
+  if (x.is_cuda()) return cuda_forward<T>(x, weight, bias, residual, mean, invstd, act_code);
+#endif
   const auto scale = bn_scale<T>(weight, invstd);
   const auto bias_c = bias.contiguous();
   const T* shift = bias_c.data_ptr<T>();
@@ -459,6 +535,9 @@ torch::autograd::variable_list bn_act_backward(const at::Tensor& x, const at::Te
   const auto act = NormAct(act_code);
   const auto g = geometry(x);
   const auto grad = in_layout(grad_out, g);
+#ifdef IMGTRAIN_WITH_CUDA
+  if (x.is_cuda()) return cuda_backward<T>(x, weight, bias, residual, mean, invstd, act_code, grad);
+#endif
   const auto scale = bn_scale<T>(weight, invstd);
   const auto bias_c = bias.contiguous();
   const T* shift = bias_c.data_ptr<T>();
@@ -541,6 +620,22 @@ void bn_stats(const at::Tensor& x, const at::Tensor& running_mean, const at::Ten
               double eps, at::Tensor& mean, at::Tensor& invstd) {
   const auto g = geometry(x);
   const int64_t C = g.C, HW = g.HW;
+#ifdef IMGTRAIN_WITH_CUDA
+  if (x.is_cuda()) {
+    c10::cuda::CUDAGuard guard(x.device());
+    const int64_t M = g.count(), chunk = cuda::norm_act_chunk(M), chunks = (M + chunk - 1) / chunk;
+    auto part = at::empty({2, chunks, C}, x.options().dtype(at::kDouble));
+    mean = at::empty({C}, x.options());
+    invstd = at::empty({C}, x.options());
+    const bool update = running_mean.defined() && running_var.defined();
+    check_cuda(cuda::bn_stats<T>(x.data_ptr<T>(), g.N, C, HW, g.channels_last, momentum, eps, mean.data_ptr<T>(),
+                                 invstd.data_ptr<T>(), update ? running_mean.data_ptr<T>() : nullptr,
+                                 update ? running_var.data_ptr<T>() : nullptr, part.data_ptr<double>(),
+                                 part.data_ptr<double>() + chunks * C, c10::cuda::getCurrentCUDAStream().stream()),
+               "batch_norm_act statistics");
+    return;
+  }
+#endif
   // the statistics: sums of x - k with k = the channel's first value (shifted sums keep the
   // variance exact when the mean is large against the spread)
   std::vector<T> k(C);
@@ -591,13 +686,18 @@ int kernel_threads() {
 }
 
 bool batch_norm_act_supported(const at::Tensor& x, const at::Tensor& residual) {
-  if (!x.defined() || x.dim() != 4 || !x.device().is_cpu() || x.size(1) == 0) return false;
+#ifdef IMGTRAIN_WITH_CUDA
+  const bool device_ok = x.defined() && (x.device().is_cpu() || x.device().is_cuda());
+#else
+  const bool device_ok = x.defined() && x.device().is_cpu();
+#endif
+  if (!device_ok || x.dim() != 4 || x.size(1) == 0) return false;
   if (x.scalar_type() != at::kFloat && x.scalar_type() != at::kDouble) return false;
   if (x.size(0) * x.size(2) * x.size(3) < 2) return false;
   const bool cl = x.is_contiguous(at::MemoryFormat::ChannelsLast);
   if (!cl && !x.is_contiguous()) return false;
   if (!residual.defined()) return true;
-  return residual.sizes() == x.sizes() && residual.device().is_cpu() && residual.scalar_type() == x.scalar_type() &&
+  return residual.sizes() == x.sizes() && residual.device() == x.device() && residual.scalar_type() == x.scalar_type() &&
          (cl ? residual.is_contiguous(at::MemoryFormat::ChannelsLast) : residual.is_contiguous());
 }
 
@@ -605,7 +705,7 @@ at::Tensor batch_norm_act_train(const at::Tensor& x, const at::Tensor& weight, c
                                 const at::Tensor& running_mean, const at::Tensor& running_var, double momentum,
                                 double eps, NormAct act, const at::Tensor& residual) {
   if (!batch_norm_act_supported(x, residual))
-    throw std::invalid_argument("batch_norm_act_train: unsupported input (float32 or float64 CPU 4-D, NCHW or channels-last)");
+    throw std::invalid_argument("batch_norm_act_train: unsupported input (float32 or float64 4-D on the CPU or CUDA, NCHW or channels-last)");
   at::Tensor mean, invstd;
   if (x.scalar_type() == at::kDouble)
     bn_stats<double>(x, running_mean, running_var, momentum, eps, mean, invstd);

@@ -3,8 +3,10 @@
 // passes over memory each way instead of the four to six of separate ATen ops (statistics,
 // normalise, add, activation; and their backwards). CPU float32, NCHW or channels-last (float64
 // too, in plain loops: it lets tests hold whole models to torch's float64 modules, where float32
-// would differ wherever a pre-activation sits within rounding of a ReLU kink); other inputs are not taken (batch_norm_act_supported says which), and the caller keeps torch's modules
-// for those.
+// would differ wherever a pre-activation sits within rounding of a ReLU kink); in CUDA builds the
+// same on CUDA tensors (norm_act_cuda.cu: the same arithmetic per element, per-channel sums in
+// double over fixed chunks, no atomics; compiled, not yet run on a GPU). Other inputs are not
+// taken (batch_norm_act_supported says which), and the caller keeps torch's modules for those.
 //
 // Numerics: the statistics are shifted sums (x - x[first]) in float over fixed blocks, added in
 // double in a fixed order, so a run gives the same bits whatever the thread count; they differ
@@ -18,7 +20,8 @@ namespace imgtrain::ops {
 
 enum class NormAct { None, ReLU, ReLU6, SiLU, HardSwish };
 
-// Whether batch_norm_act_train takes x (and residual, when defined): float32 or float64 on the CPU, 4-D,
+// Whether batch_norm_act_train takes x (and residual, when defined): float32 or float64 on the CPU
+// (or a CUDA device, in CUDA builds), 4-D,
 // contiguous or channels-last, a residual of x's sizes and strides, at least two values per channel.
 bool batch_norm_act_supported(const at::Tensor& x, const at::Tensor& residual);
 

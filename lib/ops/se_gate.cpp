@@ -24,10 +24,32 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <stdexcept>
+#include <string>
 #include <vector>
+
+#ifdef IMGTRAIN_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+
+namespace imgtrain::ops::cuda {  // se_gate_cuda.cu; each returns the cudaError_t of its launch
+template <typename T>
+int se_gate_grad(const T* g, const T* x, T* out, int64_t N, int64_t C, int64_t HW, bool cl, cudaStream_t stream);
+template <typename T>
+int se_input_grad(const T* g, T* gx, const T* mul, const T* add, int64_t N, int64_t C, int64_t HW, bool cl,
+                  cudaStream_t stream);
+}  // namespace imgtrain::ops::cuda
+#endif
 
 namespace imgtrain::ops {
 namespace {
+
+#ifdef IMGTRAIN_WITH_CUDA
+void check_cuda(int err, const char* what) {
+  if (err != 0) throw std::runtime_error(std::string(what) + ": CUDA error " + cudaGetErrorString(cudaError_t(err)));
+}
+#endif
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
 #define IMGTRAIN_SE_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
@@ -113,6 +135,14 @@ at::Tensor gate_grad(const at::Tensor& g, const at::Tensor& x) {
   auto out = at::empty({N, C, 1, 1}, x.options().memory_format(at::MemoryFormat::Contiguous));
   T* op = out.data_ptr<T>();
   const T *gp = g.data_ptr<T>(), *xp = x.data_ptr<T>();
+#ifdef IMGTRAIN_WITH_CUDA
+  if (x.is_cuda()) {
+    c10::cuda::CUDAGuard guard(x.device());
+    check_cuda(cuda::se_gate_grad<T>(gp, xp, op, N, C, HW, channels_last(x), c10::cuda::getCurrentCUDAStream().stream()),
+               "squeeze-and-excite gate gradient");
+    return out;
+  }
+#endif
   if (!channels_last(x)) {
     at::parallel_for(0, N * C, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, HW)), [&](int64_t p0, int64_t p1) {
       for (int64_t p = p0; p < p1; ++p) op[p] = T(plane_dot_k(gp + p * HW, xp + p * HW, HW));
@@ -149,6 +179,14 @@ at::Tensor input_grad(const at::Tensor& g, const at::Tensor& x, const at::Tensor
   const auto mul = gate.reshape({N, C}).contiguous();
   const T *gp = g.data_ptr<T>(), *ap = mul.data_ptr<T>(), *bp = add.data_ptr<T>();
   T* op = gx.data_ptr<T>();
+#ifdef IMGTRAIN_WITH_CUDA
+  if (x.is_cuda()) {
+    c10::cuda::CUDAGuard guard(x.device());
+    check_cuda(cuda::se_input_grad<T>(gp, op, ap, bp, N, C, HW, channels_last(x), c10::cuda::getCurrentCUDAStream().stream()),
+               "squeeze-and-excite input gradient");
+    return gx;
+  }
+#endif
   if (!channels_last(x)) {
     at::parallel_for(0, N * C, std::max<int64_t>(1, 32768 / std::max<int64_t>(1, HW)), [&](int64_t p0, int64_t p1) {
       for (int64_t p = p0; p < p1; ++p) plane_axpb_k(gp + p * HW, op + p * HW, HW, ap[p], bp[p]);
@@ -235,7 +273,12 @@ struct SeFunction : torch::autograd::Function<SeFunction> {
 }  // namespace
 
 bool se_gate_supported(const at::Tensor& x, const at::Tensor& w_reduce) {
-  if (!x.defined() || x.dim() != 4 || !x.device().is_cpu() || x.numel() == 0) return false;
+#ifdef IMGTRAIN_WITH_CUDA
+  const bool device_ok = x.defined() && (x.device().is_cpu() || x.device().is_cuda());
+#else
+  const bool device_ok = x.defined() && x.device().is_cpu();
+#endif
+  if (!device_ok || x.dim() != 4 || x.numel() == 0 || w_reduce.device() != x.device()) return false;
   if (x.scalar_type() != at::kFloat && x.scalar_type() != at::kDouble) return false;
   if (w_reduce.scalar_type() != x.scalar_type()) return false;
   return x.is_contiguous() || x.is_contiguous(at::MemoryFormat::ChannelsLast);

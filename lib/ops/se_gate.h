@@ -7,7 +7,9 @@
 // passes and three full-size temporaries (g * gate, g * x, the mean's expanded gradient, their
 // sum). The input gradient is bitwise the modules' given the same gate gradient; that gradient is
 // a float sum in a fixed order (so the same bits for any thread count) where ATen's reduction
-// rounds differently. CPU float32 and float64, NCHW or channels-last.
+// rounds differently. CPU float32 and float64, NCHW or channels-last; in CUDA builds the same on
+// CUDA tensors (se_gate_cuda.cu: sums in double in a fixed order, the input gradient without
+// fused multiply-adds; compiled, not yet run on a GPU).
 #pragma once
 #include <ATen/core/Tensor.h>
 
@@ -16,7 +18,8 @@ namespace imgtrain::ops {
 enum class SeAct { ReLU, ReLU6, SiLU, HardSwish, GELU };
 enum class SeGate { Sigmoid, HardSigmoid };
 
-// Whether se_gate_train takes x: float32 or float64 on the CPU, 4-D, contiguous or channels-last,
+// Whether se_gate_train takes x: float32 or float64 on the CPU (or CUDA, in CUDA builds), 4-D,
+// contiguous or channels-last,
 // with weights of x's dtype.
 bool se_gate_supported(const at::Tensor& x, const at::Tensor& w_reduce);
 

@@ -693,3 +693,15 @@ TEST_CASE("batches are pinned on CUDA unless --pin-mem=false says otherwise, nev
   CHECK(train({"--pin-mem"}).pinned_batches(true));
   CHECK_FALSE(train({"--pin-mem"}).pinned_batches(false));
 }
+
+TEST_CASE("a boolean flag --X is turned off by --no-X, as by --X=false, and --no-aug stays a flag of its own", "[cli]") {
+  CHECK_FALSE(train({"--no-channels-last"}).channels_last_on(true));
+  CHECK(train({"--no-channels-last"}).was_given("channels-last"));
+  CHECK(train({"--channels-last"}).channels_last_on(false));
+  CHECK_FALSE(train({"--no-fuse-bn"}).fuse_bn_on(true));
+  CHECK_FALSE(train({"--no-pin-mem"}).pinned_batches(true));
+  CHECK(train({"--no-aug"}).no_aug);
+  // only booleans have a --no- form; an unknown one is refused by name
+  CHECK_THAT(error_of({"--no-model"}, Command::Train), Catch::Contains("unknown flag '--no-model'"));
+  CHECK_THAT(error_of({"--no-channels-last=true"}, Command::Train), Catch::Contains("unknown flag"));
+}

@@ -1101,19 +1101,18 @@ double rel_err(const at::Tensor& a, const at::Tensor& b) {
   return (a - b).abs().max().item<double>() / std::max(1e-12, b.abs().max().item<double>());
 }
 
-}  // namespace
-
-TEST_CASE("training fusion: BatchNorm + residual + activation in one kernel equals torch's ops, forward and backward",
-          "[ops][models]") {
+// The fused training BatchNorm on `dev` against torch's ops there, forward and backward: shapes
+// with tails of the CPU's 16-lane and 64-row blocks, a plane longer than a 1,024-value chunk, 1x1
+// maps (both layouts at once), a large mean against a small spread (shifted sums), and (CUDA's
+// chunks of 4,096 values per channel) 16,200 values per channel.
+void fused_bn_matches_modules(torch::Device dev) {
   using ops::NormAct;
-  // shapes: tails of the 16-lane and 64-row blocks, a plane longer than a 1,024-value chunk,
-  // 1x1 maps (both layouts at once), and a large mean against a small spread (shifted sums)
   struct Case {
     std::vector<int64_t> shape;
     double offset, spread;
   };
   const Case cases[] = {{{3, 19, 7, 5}, 0.0, 1.0}, {{2, 8, 40, 33}, 0.5, 2.0}, {{4, 24, 1, 1}, 0.0, 1.0},
-                        {{2, 5, 9, 9}, 50.0, 0.1}};
+                        {{2, 5, 9, 9}, 50.0, 0.1}, {{9, 33, 45, 40}, 0.2, 1.0}};
   for (const auto& cs : cases)
     for (auto act : {NormAct::None, NormAct::ReLU, NormAct::ReLU6, NormAct::SiLU, NormAct::HardSwish})
       for (bool res : {false, true})
@@ -1122,11 +1121,12 @@ TEST_CASE("training fusion: BatchNorm + residual + activation in one kernel equa
           torch::manual_seed(3);
           const int64_t C = cs.shape[1];
           auto fmt = cl ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
-          auto x0 = (torch::randn(cs.shape) * cs.spread + cs.offset).contiguous(fmt);
-          auto r0 = res ? (torch::randn(cs.shape) * 3).contiguous(fmt) : at::Tensor();
-          auto w0 = torch::rand({C}) + 0.5, b0 = torch::randn({C}) * 2;  // pre-activations on both sides of the kinks
-          auto gout = torch::randn(cs.shape).contiguous(fmt);
-          const auto rm0 = torch::randn({C}), rv0 = torch::rand({C}) + 0.5;
+          auto x0 = (torch::randn(cs.shape) * cs.spread + cs.offset).contiguous(fmt).to(dev);
+          auto r0 = res ? (torch::randn(cs.shape) * 3).contiguous(fmt).to(dev) : at::Tensor();
+          // pre-activations on both sides of the kinks
+          auto w0 = (torch::rand({C}) + 0.5).to(dev), b0 = (torch::randn({C}) * 2).to(dev);
+          auto gout = torch::randn(cs.shape).contiguous(fmt).to(dev);
+          const auto rm0 = torch::randn({C}).to(dev), rv0 = (torch::rand({C}) + 0.5).to(dev);
           auto run = [&](bool fused, at::Tensor& rm, at::Tensor& rv) {
             auto x = x0.clone().requires_grad_(true), w = w0.clone().requires_grad_(true);
             auto b = b0.clone().requires_grad_(true);
@@ -1154,6 +1154,14 @@ TEST_CASE("training fusion: BatchNorm + residual + activation in one kernel equa
           CHECK(rel_err(rm2, rm1) < 1e-5);
           CHECK(rel_err(rv2, rv1) < 1e-4);
         }
+}
+
+}  // namespace
+
+TEST_CASE("training fusion: BatchNorm + residual + activation in one kernel equals torch's ops, forward and backward",
+          "[ops][models]") {
+  using ops::NormAct;
+  fused_bn_matches_modules(torch::Device(torch::kCPU));
   // the kernels do split their work: built with OpenMP, at::parallel_for runs on the threads asked
   // for (without it, it silently ran everything on the calling thread)
   {
@@ -1201,25 +1209,31 @@ TEST_CASE("training fusion: BatchNorm + residual + activation in one kernel equa
                                             torch::randn({2, 3, 4, 4}).contiguous(at::MemoryFormat::ChannelsLast)));
 }
 
-TEST_CASE("training fusion: squeeze-and-excite as one function equals torch's ops, forward and backward", "[ops][models]") {
+namespace {
+
+// x * gate(conv(act(conv(mean(x))))) through autograd, as the zoo's modules compute it
+at::Tensor se_reference(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2,
+                        const at::Tensor& b2, ops::SeAct act, ops::SeGate gate) {
   using ops::SeAct;
   using ops::SeGate;
-  // x * gate(conv(act(conv(mean(x))))) through autograd, as the zoo's modules compute it
-  auto reference = [](const at::Tensor& x, const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2,
-                      const at::Tensor& b2, SeAct act, SeGate gate) {
-    auto z = at::conv2d(x.mean({2, 3}, true), w1, b1);
-    switch (act) {
-      case SeAct::ReLU: z = z.relu(); break;
-      case SeAct::ReLU6: z = z.clamp(0, 6); break;
-      case SeAct::SiLU: z = at::silu(z); break;
-      case SeAct::HardSwish: z = at::hardswish(z); break;
-      case SeAct::GELU: z = at::gelu(z); break;
-    }
-    auto s = at::conv2d(z, w2, b2);
-    return x * (gate == SeGate::Sigmoid ? s.sigmoid() : at::hardsigmoid(s));
-  };
-  // shapes: 1x1 maps, a plane longer than a 1,024-value chunk, a tail of the 64-pixel rows and of
-  // the 16 lanes, a batch of one
+  auto z = at::conv2d(x.mean({2, 3}, true), w1, b1);
+  switch (act) {
+    case SeAct::ReLU: z = z.relu(); break;
+    case SeAct::ReLU6: z = z.clamp(0, 6); break;
+    case SeAct::SiLU: z = at::silu(z); break;
+    case SeAct::HardSwish: z = at::hardswish(z); break;
+    case SeAct::GELU: z = at::gelu(z); break;
+  }
+  auto s = at::conv2d(z, w2, b2);
+  return x * (gate == SeGate::Sigmoid ? s.sigmoid() : at::hardsigmoid(s));
+}
+
+// The squeeze-and-excite function on `dev` against torch's ops there. Shapes: 1x1 maps, a plane
+// longer than a 1,024-value chunk, a tail of the 64-pixel rows and of the 16 lanes, a batch of one.
+void fused_se_matches_modules(torch::Device dev) {
+  using ops::SeAct;
+  using ops::SeGate;
+  const auto reference = se_reference;
   const std::vector<std::vector<int64_t>> shapes = {{3, 19, 7, 5}, {2, 8, 40, 33}, {4, 24, 1, 1}, {1, 40, 9, 9}};
   for (const auto& shape : shapes)
     for (auto act : {SeAct::ReLU, SeAct::ReLU6, SeAct::SiLU, SeAct::HardSwish, SeAct::GELU})
@@ -1229,10 +1243,10 @@ TEST_CASE("training fusion: squeeze-and-excite as one function equals torch's op
           torch::manual_seed(5);
           const int64_t C = shape[1], R = std::max<int64_t>(1, C / 4);
           auto fmt = cl ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
-          auto x0 = torch::randn(shape).contiguous(fmt), g = torch::randn(shape).contiguous(fmt);
+          auto x0 = torch::randn(shape).contiguous(fmt).to(dev), g = torch::randn(shape).contiguous(fmt).to(dev);
           // weights large enough that the activation and the gate see both sides of their kinks
-          auto w10 = torch::randn({R, C, 1, 1}), b10 = torch::randn({R}), w20 = torch::randn({C, R, 1, 1}) * 2,
-               b20 = torch::randn({C});
+          auto w10 = torch::randn({R, C, 1, 1}).to(dev), b10 = torch::randn({R}).to(dev),
+               w20 = (torch::randn({C, R, 1, 1}) * 2).to(dev), b20 = torch::randn({C}).to(dev);
           auto run = [&](bool fused) {
             auto x = x0.clone().requires_grad_(true);
             auto w1 = w10.clone().requires_grad_(true), b1 = b10.clone().requires_grad_(true);
@@ -1252,6 +1266,15 @@ TEST_CASE("training fusion: squeeze-and-excite as one function equals torch's op
             CHECK(rel_err(got[i], want[i]) < 2e-4);
           }
         }
+}
+
+}  // namespace
+
+TEST_CASE("training fusion: squeeze-and-excite as one function equals torch's ops, forward and backward", "[ops][models]") {
+  using ops::SeAct;
+  using ops::SeGate;
+  const auto reference = se_reference;
+  fused_se_matches_modules(torch::Device(torch::kCPU));
   // where every sum is exact (small integers and halves), the gate's gradient is exact in any order,
   // and then every gradient is bitwise autograd's: the same operations in the same order
   for (bool cl : {false, true}) {
@@ -1562,4 +1585,56 @@ TEST_CASE("convolutions with taps on padding only run trimmed: same outputs and 
   auto y = model_zoo::trimmed_conv2d(x, w, {}, {2, 2}, {1, 1}, {1, 1}, 1);
   REQUIRE(y.defined());
   CHECK(torch::allclose(y, at::conv2d(x, w, {}, {2, 2}, {1, 1}), 1e-5, 1e-5));
+}
+
+TEST_CASE("CUDA: the fused training BatchNorm equals torch's ops on the device and gives the same bits every run",
+          "[cuda][ops]") {
+  test::skip_unless(torch::cuda::is_available());
+  const torch::Device dev(torch::kCUDA, 0);
+  fused_bn_matches_modules(dev);
+  for (bool cl : {false, true}) {
+    INFO("channels-last " << cl);
+    torch::manual_seed(4);
+    auto fmt = cl ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
+    auto x0 = torch::randn({8, 40, 30, 30}).contiguous(fmt), g = torch::randn({8, 40, 30, 30}).contiguous(fmt);
+    auto res = torch::randn({8, 40, 30, 30}).contiguous(fmt);
+    auto run = [&](torch::Device d) {
+      auto x = x0.to(d).requires_grad_(true);
+      auto w = torch::ones({40}, d).requires_grad_(true), b = torch::zeros({40}, d).requires_grad_(true);
+      auto rm = torch::zeros({40}, d), rv = torch::ones({40}, d);
+      auto y = ops::batch_norm_act_train(x, w, b, rm, rv, 0.1, 1e-5, ops::NormAct::SiLU, res.to(d));
+      y.backward(g.to(d));
+      std::vector<at::Tensor> out{y.detach(), x.grad(), w.grad(), rm, rv};
+      for (auto& t : out) t = t.to(torch::kCPU);
+      return out;
+    };
+    const auto a = run(dev), b = run(dev), host = run(torch::Device(torch::kCPU));
+    for (size_t i = 0; i < a.size(); ++i) {
+      INFO("tensor " << i);
+      CHECK(torch::equal(a[i], b[i]));       // no atomics: the same bits every run
+      CHECK(rel_err(a[i], host[i]) < 1e-4);  // the CPU kernel's arithmetic, to float rounding
+    }
+  }
+}
+
+TEST_CASE("CUDA: squeeze-and-excite's fused backward equals torch's ops on the device, the same bits every run",
+          "[cuda][ops]") {
+  test::skip_unless(torch::cuda::is_available());
+  const torch::Device dev(torch::kCUDA, 0);
+  fused_se_matches_modules(dev);
+  for (bool cl : {false, true}) {
+    INFO("channels-last " << cl);
+    torch::manual_seed(7);
+    auto fmt = cl ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
+    auto x0 = torch::randn({16, 40, 20, 20}).contiguous(fmt).to(dev), g = torch::randn({16, 40, 20, 20}).contiguous(fmt).to(dev);
+    auto w1 = torch::randn({8, 40, 1, 1}, dev), b1 = torch::randn({8}, dev), w2 = torch::randn({40, 8, 1, 1}, dev),
+         b2 = torch::randn({40}, dev);
+    auto run = [&] {
+      auto x = x0.clone().requires_grad_(true);
+      auto y = ops::se_gate_train(x, w1, b1, w2, b2, ops::SeAct::SiLU, ops::SeGate::Sigmoid);
+      y.backward(g);
+      return x.grad();
+    };
+    CHECK(torch::equal(run(), run()));
+  }
 }
