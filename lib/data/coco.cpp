@@ -542,6 +542,14 @@ Rle ann_to_rle(const Annotation& a, uint32_t h, uint32_t w) {
     case SegKind::rle: return a.rle;
     case SegKind::box: {
       const double x1 = a.bbox[0], x2 = a.bbox[0] + a.bbox[2], y1 = a.bbox[1], y2 = a.bbox[1] + a.bbox[3];
+      // the box as a polygon, as pycocotools' loadRes makes it (whose rasteriser casts each
+      // coordinate x 5 to a C int: far beyond the image it is undefined there, an error of the
+      // file here, as the reader reports one)
+      for (double v : {x1, x2, y1, y2})
+        if (!(std::abs(v) <= 1e8))
+          throw std::runtime_error("a result's bbox reaches " + std::to_string(v) +
+                                   ": beyond 100,000,000 pixels, no mask can be made of it (result of image " +
+                                   std::to_string(a.image_id) + ")");
       return rle_from_polygon({x1, y1, x1, y2, x2, y2, x2, y1}, h, w);
     }
     case SegKind::none: break;

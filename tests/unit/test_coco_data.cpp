@@ -129,6 +129,16 @@ TEST_CASE("a polygon far outside any image keeps its box and loses its mask, ins
   REQUIRE_FALSE(d.warnings.empty());
   CHECK_THAT(d.warnings[0], Catch::Contains("beyond 1,000,000 pixels") && Catch::Contains("7"));
   CHECK(coco::rle_area(coco::ann_to_rle(d.annotations[0], 20, 30)) == 0);
+  // found by fuzz_coco_json too: a box result far outside the image, made into a mask for segm
+  // evaluation (pycocotools' rasteriser would cast it to an int: undefined): the reader's error
+  // type with the reason, not the rasteriser's invalid_argument
+  const auto res = coco::parse_results(
+      d, R"([{"image_id": 1, "category_id": 1, "bbox": [2e42, 3, 9, 5], "score": 0.9},
+             {"image_id": 1, "category_id": 1, "bbox": [2, 3, 9, 5], "score": 0.8}])", "r.json");
+  REQUIRE(res.annotations.size() == 2);
+  CHECK_THROWS_AS(coco::ann_to_rle(res.annotations[0], 20, 30), std::runtime_error);
+  CHECK_THROWS_WITH(coco::ann_to_rle(res.annotations[0], 20, 30), Catch::Contains("beyond 100,000,000 pixels"));
+  CHECK(coco::rle_area(coco::ann_to_rle(res.annotations[1], 20, 30)) > 0);
 }
 
 TEST_CASE("COCO layout errors name what was looked for", "[data][coco]") {
