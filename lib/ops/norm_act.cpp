@@ -1,4 +1,5 @@
 #include "ops/norm_act.h"
+#include "ops/kernel_util.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -39,15 +40,7 @@ int bn_act_backward(const T* g, const T* x, const T* r, T* gy, T* gx, int64_t N,
 namespace imgtrain::ops {
 namespace {
 
-// The loops below are plain C++ that the compiler vectorises; on x86-64 GCC builds each hot
-// function also gets AVX-512 and AVX2+FMA clones picked at load time (the baseline build is SSE2
-// only).
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-#define IMGTRAIN_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define IMGTRAIN_CLONES
-#endif
-#define IMGTRAIN_AI inline __attribute__((always_inline))
+// The loops below are plain C++ that the compiler vectorises, with SIMD clones (kernel_util.h).
 
 constexpr int64_t kRowBlock = 64;      // channels-last statistics: rows per float partial sum
 constexpr int64_t kPlaneChunk = 1024;  // NCHW statistics: elements per float partial sum
@@ -445,11 +438,6 @@ std::vector<T> bn_scale(const at::Tensor& w, const at::Tensor& invstd) {
 bool has_residual(const at::Tensor& r) { return r.defined() && r.numel() > 0; }
 
 #ifdef IMGTRAIN_WITH_CUDA
-void check_cuda(int err, const char* what) {
-  if (err != 0)
-    throw std::runtime_error(std::string(what) + ": CUDA error " + cudaGetErrorString(cudaError_t(err)));
-}
-
 // scale = weight * invstd in double, rounded once (bn_scale's arithmetic), on the device.
 at::Tensor device_scale(const at::Tensor& w, const at::Tensor& invstd) {
   return (w.to(at::kDouble) * invstd.to(at::kDouble)).to(w.scalar_type()).contiguous();

@@ -1,4 +1,5 @@
 #include "ops/optim_step.h"
+#include "ops/kernel_util.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -21,13 +22,6 @@
 // a tensor of any length (checked), so a tile's roots are the loop's.
 namespace imgtrain::ops {
 namespace {
-
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-#define IMGTRAIN_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define IMGTRAIN_CLONES
-#endif
-#define IMGTRAIN_AI inline __attribute__((always_inline))
 
 constexpr int64_t kGrain = 32768;
 constexpr int64_t kTile = 8192;  // elements per square-root call

@@ -1,4 +1,5 @@
 #include "ops/se_gate.h"
+#include "ops/kernel_util.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/TensorOperators.h>
@@ -45,17 +46,6 @@ int se_input_grad(const T* g, T* gx, const T* mul, const T* add, int64_t N, int6
 namespace imgtrain::ops {
 namespace {
 
-#ifdef IMGTRAIN_WITH_CUDA
-void check_cuda(int err, const char* what) {
-  if (err != 0) throw std::runtime_error(std::string(what) + ": CUDA error " + cudaGetErrorString(cudaError_t(err)));
-}
-#endif
-
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-#define IMGTRAIN_SE_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define IMGTRAIN_SE_CLONES
-#endif
 
 constexpr int64_t kChunk = 1024;   // NCHW: elements per float partial sum
 constexpr int64_t kRows = 64;      // channels-last: pixels per float partial sum
@@ -100,14 +90,14 @@ void rows_axpb(const T* g, T* out, int64_t rows, int64_t C, const T* a, const T*
     for (int64_t c = 0; c < C; ++c) out[r * C + c] = g[r * C + c] * a[c] + b[c];
 }
 
-IMGTRAIN_SE_CLONES double plane_dot_f(const float* g, const float* x, int64_t n) { return plane_dot(g, x, n); }
-IMGTRAIN_SE_CLONES void rows_dot_f(const float* g, const float* x, int64_t rows, int64_t C, float* acc) {
+IMGTRAIN_CLONES double plane_dot_f(const float* g, const float* x, int64_t n) { return plane_dot(g, x, n); }
+IMGTRAIN_CLONES void rows_dot_f(const float* g, const float* x, int64_t rows, int64_t C, float* acc) {
   rows_dot(g, x, rows, C, acc);
 }
-IMGTRAIN_SE_CLONES void plane_axpb_f(const float* g, float* out, int64_t n, float a, float b) {
+IMGTRAIN_CLONES void plane_axpb_f(const float* g, float* out, int64_t n, float a, float b) {
   plane_axpb(g, out, n, a, b);
 }
-IMGTRAIN_SE_CLONES void rows_axpb_f(const float* g, float* out, int64_t rows, int64_t C, const float* a,
+IMGTRAIN_CLONES void rows_axpb_f(const float* g, float* out, int64_t rows, int64_t C, const float* a,
                                     const float* b) {
   rows_axpb(g, out, rows, C, a, b);
 }
