@@ -33,7 +33,7 @@ const std::vector<ConvNeXtSpec>& specs() {
 using torch::nn::Linear;
 
 // 7x7 depthwise conv, LayerNorm and the MLP over channels (NHWC), layer scale `gamma`, residual.
-struct ConvNeXtBlockImpl : torch::nn::Module, InferenceFusion {
+struct ConvNeXtBlockImpl : torch::nn::Module, InferenceFusion, TrainingFusion {
   torch::nn::Conv2d conv_dw{nullptr};
   torch::nn::LayerNorm norm{nullptr};
   std::shared_ptr<torch::nn::Module> mlp;
@@ -61,12 +61,22 @@ struct ConvNeXtBlockImpl : torch::nn::Module, InferenceFusion {
         return linear_add(h, fc2_folded_w, fc2_folded_b, res, &fc2_pack).permute({0, 3, 1, 2});
       return at::linear(h, fc2_folded_w, fc2_folded_b).permute({0, 3, 1, 2}) + in;
     }
+    if (fuse_train && is_training() && at::GradMode::is_enabled() && ops::ln_mlp_tiled_train_supported(x) &&
+        tiles_pay(x)) {
+      const auto scale = drop_path_scale(in, dpr, true);
+      return ops::ln_mlp_residual_tiled_train(x, norm->weight, norm->bias, norm->options.eps(), fc1->weight,
+                                              fc1->bias, fc2->weight, fc2->bias, gamma,
+                                              scale.defined() ? scale.reshape({-1}) : scale,
+                                              in.permute({0, 2, 3, 1}), tile_rows(x.size(3)))
+          .permute({0, 3, 1, 2});
+    }
     x = linear(*fc2, torch::gelu(linear(*fc1, norm(x)))).permute({0, 3, 1, 2});
     x = x.mul(gamma.reshape({1, -1, 1, 1}));
     return drop_path(x, dpr, is_training()) + in;
   }
 
-  // Inference: LayerNorm, fc1, GELU, fc2 (gamma folded in) and the residual add on tiles of pixels
+  // Inference (and training with --fuse-bn, ops::ln_mlp_residual_tiled_train, whose backward runs
+  // on the same tiles): LayerNorm, fc1, GELU, fc2 (gamma folded in) and the residual add on tiles of pixels
   // (ops::ln_mlp_residual_tiled), so fc1's output, 4x the channels, stays in cache: where the MLP's
   // weights are small against the activations (the first two stages: 0.3 and 1.2 MB of weights
   // against 38 and 19 MB of fc1 output at batch 8, 224 px); elsewhere each tile would read the
@@ -218,9 +228,12 @@ class ConvNeXtImpl : public ClassifierImpl {
 }  // namespace
 
 void register_convnext(Registry<ModelEntry>& r) {
-  for (auto& s : specs())
-    r.add(s.name, ModelEntry{[&s](const ModelArgs& a) -> Model { return std::make_shared<ConvNeXtImpl>(s, a); },
-                             timm_defaults(s.name)});
+  for (auto& s : specs()) {
+    ModelEntry e{[&s](const ModelArgs& a) -> Model { return std::make_shared<ConvNeXtImpl>(s, a); },
+                 timm_defaults(s.name)};
+    e.cpu_training_fused = true;  // the MLP on tiles in training (docs/performance.md)
+    r.add(s.name, std::move(e));
+  }
 }
 
 }  // namespace imgtrain::model_zoo

@@ -73,6 +73,11 @@ bool cpu_training_nhwc_fused(const std::string& name) {
   return e && e->cpu_training_nhwc_fused;
 }
 
+bool cpu_training_fused(const std::string& name) {
+  const auto* e = find_model(name);
+  return e && (e->cpu_training_nhwc_fused || e->cpu_training_fused);
+}
+
 int64_t count_params(const torch::nn::Module& m) {
   int64_t n = 0;
   for (auto& p : m.parameters()) n += p.numel();

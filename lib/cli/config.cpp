@@ -252,9 +252,10 @@ const std::vector<Flag>& flags() {
       {"fuse-bn", "", &Config::fuse_bn,
        "Fuse each conv block's BatchNorm with what surrounds it (float32, no autocast). Inference: folded into the "
        "convolution before it; on the CPU the bias, residual add and activation run as oneDNN post-ops. Training "
-       "(CPU): batch statistics, normalisation, residual add and activation in one kernel each way. Default: on for "
-       "benchmark inference, and for CPU float32 training of the ResNet, EfficientNet and MobileNetV3 families "
-       "(with channels-last; results then differ from timm's by float rounding); off for validate and otherwise. "
+       "(CPU): batch statistics, normalisation, residual add and activation in one kernel each way; ConvNeXt's "
+       "LayerNorm, MLP, layer scale and residual on tiles of pixels in its first stages. Default: on for benchmark "
+       "inference, and for CPU float32 training of the ResNet, EfficientNet and MobileNetV3 families (with "
+       "channels-last) and ConvNeXt (results then differ from timm's by float rounding); off for validate and otherwise. "
        "--no-fuse-bn (or --fuse-bn=false) turns it off",
        TRAIN | VALIDATE | BENCH},
       {"profile", "", &Config::profile,

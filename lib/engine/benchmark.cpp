@@ -523,7 +523,7 @@ int benchmark(const cli::Config& cfg) {
     auto x = torch::randn({b, margs.in_chans, img, img}, torch::TensorOptions().device(device));
     if (nhwc(train)) x = x.contiguous(at::MemoryFormat::ChannelsLast);
     model->train(train);
-    set_fusion(*model, cfg, amp, train, results, nhwc_fused);
+    set_fusion(*model, cfg, amp, train, results, fused_training_default(cfg.model, device, amp));
     results[train ? "train_channels_last" : "infer_channels_last"] = nhwc(train);
     auto opt = train ? bench_optimizer(*model, cfg) : nullptr;
     const char* what = train ? "train" : "inference";

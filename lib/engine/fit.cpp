@@ -220,17 +220,20 @@ int fit(const cli::Config& given_cfg, torch::Device device, dist::Context* ctx) 
 
   // (after the data checks and the model's own checks, so that a user error stays one line)
   r.model = task.create_model();
-  // --channels-last and --fuse-bn (BatchNorm + residual add + activation as one kernel): on by
-  // default for the families measured faster with both when training on the CPU in float32
-  // (docs/performance.md); the flags, given either way, decide
+  // --channels-last and --fuse-bn (BatchNorm + residual add + activation as one kernel; ConvNeXt's
+  // MLP on tiles): on by default for the families measured faster with them when training on the
+  // CPU in float32 (docs/performance.md); the flags, given either way, decide
   const bool nhwc_fused = nhwc_fused_training_default(cfg.model, device, amp);
+  const bool fused = fused_training_default(cfg.model, device, amp);
   cfg.channels_last = cfg.channels_last_on(nhwc_fused);
-  const bool fuse_bn = cfg.fuse_bn_on(nhwc_fused);
-  if (nhwc_fused && (!cfg.was_given("channels-last") || !cfg.was_given("fuse-bn")))
-    log::info("Training layout {}, BatchNorm {}: {} default on the CPU (--channels-last / --fuse-bn [=false] "
-              "choose)",
+  const bool fuse_bn = cfg.fuse_bn_on(fused);
+  if ((nhwc_fused && !cfg.was_given("channels-last")) || (fused && !cfg.was_given("fuse-bn")))
+    log::info("Training layout {}, {}: {} default on the CPU (--channels-last / --fuse-bn [=false] choose)",
               cfg.channels_last ? "channels-last (NHWC)" : "NCHW",
-              fuse_bn ? "fused with the residual add and activation" : "as torch's modules", cfg.model);
+              !fuse_bn ? "torch's modules (no fused kernels)"
+              : nhwc_fused ? "BatchNorm fused with the residual add and activation"
+                           : "fused kernels (LayerNorm and MLP on tiles)",
+              cfg.model);
   set_training_fusion(*r.model, fuse_bn);
   if (ctx)
     log::info("Training in distributed mode with multiple processes, 1 device per process. Process {}, total {}, "

@@ -75,6 +75,10 @@ bool nhwc_fused_training_default(const std::string& model, torch::Device device,
   return device.is_cpu() && !amp.enabled && !amp.o2 && model_zoo::cpu_training_nhwc_fused(model);
 }
 
+bool fused_training_default(const std::string& model, torch::Device device, const Amp& amp) {
+  return device.is_cpu() && !amp.enabled && !amp.o2 && model_zoo::cpu_training_fused(model);
+}
+
 void to_channels_last(torch::nn::Module& m) {
   torch::NoGradGuard ng;
   for (auto& p : m.parameters())

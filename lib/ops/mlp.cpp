@@ -1,13 +1,24 @@
 #include "ops/mlp.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/autocast_mode.h>
 #include <c10/core/GradMode.h>
 #include <ATen/ops/addmm.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/ops/gelu.h>
+#include <ATen/ops/gelu_backward.h>
 #include <ATen/ops/layer_norm.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/native_layer_norm.h>
+#include <ATen/ops/native_layer_norm_backward.h>
+#include <ATen/ops/sum.h>
+#include <ATen/ops/zeros.h>
+#include <torch/autograd.h>
 
 #include <algorithm>
+#include <vector>
 
 namespace imgtrain::ops {
 
@@ -35,6 +46,149 @@ at::Tensor ln_mlp_residual_tiled(const at::Tensor& x, const at::Tensor& ln_w, co
     }
   });
   return out;
+}
+
+namespace {
+
+// The tiles of an [N, H, W, C] map: `rows` pixels of one image each, the last of an image shorter
+constexpr int64_t kGradGroups = 16;  // backward: the tiles in this many fixed groups (thread-independent sums)
+
+struct Tiles {
+  int64_t N, HW, rows, per_image;
+  Tiles(const at::Tensor& x, int64_t r)
+      : N(x.size(0)), HW(x.size(1) * x.size(2)), rows(std::clamp<int64_t>(r, 1, std::max<int64_t>(1, HW))),
+        per_image((HW + rows - 1) / rows) {}
+  int64_t count() const { return N * per_image; }
+  int64_t image(int64_t t) const { return t / per_image; }
+  int64_t first(int64_t t) const { return (t % per_image) * rows; }
+  int64_t last(int64_t t) const { return std::min(HW, first(t) + rows); }
+  // the (pixels, C) view of tile t of m ([N, H, W, C], H and W mergeable)
+  at::Tensor of(const at::Tensor& m, int64_t t) const {
+    return m.select(0, image(t)).flatten(0, 1).slice(0, first(t), last(t));
+  }
+  // the (pixels, D) rows of tile t of an [N, H * W, D] tensor
+  at::Tensor rows_of(const at::Tensor& m, int64_t t) const {
+    return m.select(0, image(t)).slice(0, first(t), last(t));
+  }
+};
+
+std::vector<double> scale_values(const at::Tensor& scale) {
+  std::vector<double> v;
+  if (scale.numel() == 0) return v;
+  const auto d = scale.to(at::kDouble).contiguous();
+  v.assign(d.data_ptr<double>(), d.data_ptr<double>() + d.numel());
+  return v;
+}
+
+struct LnMlpTrainFunction : torch::autograd::Function<LnMlpTrainFunction> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& ln_w,
+                            const at::Tensor& ln_b, const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2,
+                            const at::Tensor& b2, const at::Tensor& gamma, const at::Tensor& residual,
+                            const at::Tensor& scale, double eps, int64_t rows) {
+    const Tiles tl(x, rows);
+    const int64_t C = x.size(3), D = w1.size(0);
+    auto hs = at::empty({tl.N, tl.HW, D}, x.options());  // fc1's output: the one tensor kept for backward
+    auto out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+    const auto w2f = w2 * gamma.unsqueeze(1), b2f = b2 * gamma;
+    const auto w1t = w1.t(), w2ft = w2f.t();
+    const auto sv = scale_values(scale);
+    at::parallel_for(0, tl.count(), 1, [&](int64_t t0, int64_t t1) {
+      c10::AutoGradMode no_grad(false);  // thread-local: OpenMP's threads start with autograd on
+      for (int64_t t = t0; t < t1; ++t) {
+        auto h = tl.rows_of(hs, t);
+        at::addmm_out(h, b1, at::layer_norm(tl.of(x, t), {C}, ln_w, ln_b, eps), w1t);
+        auto o = tl.of(out, t);
+        at::addmm_out(o, b2f, at::gelu(h), w2ft);
+        if (!sv.empty()) o.mul_(sv[size_t(tl.image(t))]);
+        o.add_(tl.of(residual, t));
+      }
+    });
+    ctx->save_for_backward({x, ln_w, ln_b, w1, w2, b2, gamma, scale, hs});
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["rows"] = tl.rows;
+    ctx->saved_data["residual_grad"] = residual.requires_grad();
+    return out;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto s = ctx->get_saved_variables();
+    const auto &x = s[0], &ln_w = s[1], &ln_b = s[2], &w1 = s[3], &w2 = s[4], &b2 = s[5], &gamma = s[6],
+               &scale = s[7], &hs = s[8];
+    const auto& g = grads[0];
+    if (!g.defined()) return torch::autograd::variable_list(12);
+    const double eps = ctx->saved_data["eps"].toDouble();
+    const Tiles tl(x, ctx->saved_data["rows"].toInt());
+    const int64_t C = x.size(3), D = w1.size(0), T = tl.count(), G = std::min(T, kGradGroups);
+    const auto w2f = w2 * gamma.unsqueeze(1);
+    const auto sv = scale_values(scale);
+    auto dx = at::empty_like(x);
+    auto acc_w1 = at::zeros({G, D, C}, x.options()), acc_gw2 = at::zeros({G, C, D}, x.options());
+    auto acc_b1 = at::zeros({G, D}, x.options()), acc_c = at::zeros({G, 3, C}, x.options());  // sum g, LN w, LN b
+    // group k takes tiles [k T / G, (k + 1) T / G): fixed whatever the thread count, each group's
+    // sums in tile order, then the groups summed in order
+    at::parallel_for(0, G, 1, [&](int64_t k0, int64_t k1) {
+      c10::AutoGradMode no_grad(false);
+      for (int64_t k = k0; k < k1; ++k) {
+        auto aw1 = acc_w1.select(0, k), agw2 = acc_gw2.select(0, k), ab1 = acc_b1.select(0, k);
+        auto ac = acc_c.select(0, k);
+        for (int64_t t = k * T / G; t < (k + 1) * T / G; ++t) {
+          auto gt = tl.of(g, t);
+          if (!sv.empty()) gt = gt * sv[size_t(tl.image(t))];
+          const auto xt = tl.of(x, t);
+          const auto h = tl.rows_of(hs, t);
+          const auto [xn, mean, rstd] = at::native_layer_norm(xt, {C}, ln_w, ln_b, eps);
+          agw2.addmm_(gt.t(), at::gelu(h));  // fc2's weight gradient before gamma: g^T gelu(h)
+          ac.select(0, 0).add_(gt.sum(0));
+          const auto dh = at::gelu_backward(at::mm(gt, w2f), h);
+          aw1.addmm_(dh.t(), xn);
+          ab1.add_(dh.sum(0));
+          const auto [dxt, dlw, dlb] =
+              at::native_layer_norm_backward(at::mm(dh, w1), xt, {C}, mean, rstd, ln_w, ln_b, {true, true, true});
+          tl.of(dx, t).copy_(dxt);
+          ac.select(0, 1).add_(dlw);
+          ac.select(0, 2).add_(dlb);
+        }
+      }
+    });
+    const auto gw2 = acc_gw2.sum(0), c = acc_c.sum(0);
+    const auto gsum = c.select(0, 0);
+    // out = gamma * (a W2^T + b2): dW2 = gamma * g^T a, db2 = gamma * sum g, dgamma = sum over
+    // pixels of g * (a W2^T + b2) = rows of W2 * (g^T a) + b2 * sum g
+    auto dgamma = (w2 * gw2).sum(1) + b2 * gsum;
+    const bool residual_grad = ctx->saved_data["residual_grad"].toBool();
+    return {dx,
+            c.select(0, 1).clone(),
+            c.select(0, 2).clone(),
+            acc_w1.sum(0),
+            acc_b1.sum(0),
+            gw2 * gamma.unsqueeze(1),
+            gsum * gamma,
+            dgamma,
+            residual_grad ? g : at::Tensor(),
+            at::Tensor(),
+            at::Tensor(),
+            at::Tensor()};
+  }
+};
+
+}  // namespace
+
+bool ln_mlp_tiled_train_supported(const at::Tensor& x) {
+  return x.defined() && x.device().is_cpu() && x.dim() == 4 && x.numel() > 0 &&
+         (x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble) &&
+         x.stride(1) == x.size(2) * x.stride(2) && !at::autocast::is_autocast_enabled(at::kCPU);
+}
+
+at::Tensor ln_mlp_residual_tiled_train(const at::Tensor& x, const at::Tensor& ln_w, const at::Tensor& ln_b, double eps,
+                                       const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2,
+                                       const at::Tensor& b2, const at::Tensor& gamma, const at::Tensor& scale,
+                                       const at::Tensor& residual, int64_t rows) {
+  TORCH_CHECK(ln_mlp_tiled_train_supported(x) && residual.sizes() == x.sizes(),
+              "ln_mlp_residual_tiled_train: x and residual [N, H, W, C] on the CPU, float32 or float64");
+  TORCH_CHECK(!scale.defined() || scale.numel() == x.size(0), "ln_mlp_residual_tiled_train: scale [N]");
+  return LnMlpTrainFunction::apply(x, ln_w, ln_b, w1, b1, w2, b2, gamma, residual,
+                                   scale.defined() ? scale : at::empty({0}, x.options()), eps, rows);
 }
 
 }  // namespace imgtrain::ops

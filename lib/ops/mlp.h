@@ -19,4 +19,22 @@ at::Tensor ln_mlp_residual_tiled(const at::Tensor& x, const at::Tensor& ln_w, co
                                  const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2,
                                  const at::Tensor& b2, const at::Tensor& residual, int64_t rows);
 
+// Training: out = residual + scale[n] * gamma * (gelu(layer_norm(x) W1^T + b1) W2^T + b2), the same
+// MLP on tiles as one autograd function (ConvNeXt's block after its depthwise convolution, with its
+// layer scale `gamma` [C] and timm's drop path as the per-image `scale` [N], undefined for none).
+// Forward: per tile, LayerNorm, fc1 into the one saved tensor (fc1's output, [N, H*W, D]), GELU and
+// fc2 (gamma folded into its weight and bias) in cache. Backward: per tile, GELU and LayerNorm
+// recomputed in cache, the input gradients through the same GEMMs, and the weight gradients summed
+// over the tiles of fixed groups of tiles and then over the groups in order, so a run's bits do not
+// depend on the thread count. The modules' autograd saves and reads back four full-size tensors per
+// block (LayerNorm's output, fc1's output, GELU's output, fc2's output); this saves one. The
+// gradients equal the modules' up to float rounding (the GEMMs' blocking, gamma folded; the layer
+// scale's gradient summed as rows of W2 * (g^T a) + b2 * sum(g)). CPU, float32 or float64; call
+// ln_mlp_tiled_train_supported first.
+bool ln_mlp_tiled_train_supported(const at::Tensor& x);
+at::Tensor ln_mlp_residual_tiled_train(const at::Tensor& x, const at::Tensor& ln_w, const at::Tensor& ln_b, double eps,
+                                       const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2,
+                                       const at::Tensor& b2, const at::Tensor& gamma, const at::Tensor& scale,
+                                       const at::Tensor& residual, int64_t rows);
+
 }  // namespace imgtrain::ops

@@ -17,12 +17,16 @@
 
 namespace imgtrain::model_zoo {
 
-at::Tensor drop_path(const at::Tensor& x, double p, bool training) {
-  if (p == 0.0 || !training) return x;
+at::Tensor drop_path_scale(const at::Tensor& x, double p, bool training) {
+  if (p == 0.0 || !training) return at::Tensor();
   std::vector<int64_t> shape(x.dim(), 1);
   shape[0] = x.size(0);
-  auto keep = torch::empty(shape, x.options()).bernoulli_(1.0 - p);
-  return x * keep.div_(1.0 - p);
+  return torch::empty(shape, x.options()).bernoulli_(1.0 - p).div_(1.0 - p);
+}
+
+at::Tensor drop_path(const at::Tensor& x, double p, bool training) {
+  const auto keep = drop_path_scale(x, p, training);
+  return keep.defined() ? x * keep : x;
 }
 
 void trunc_normal_(at::Tensor t, double mean, double std, double a, double b) {

@@ -18,6 +18,9 @@ namespace imgtrain::model_zoo {
 // Stochastic depth per sample (timm's drop_path): in training, zero whole samples of the residual
 // branch with probability p and scale the survivors by 1 / (1 - p).
 at::Tensor drop_path(const at::Tensor& x, double p, bool training);
+// drop_path's per-sample factor ([N, 1, ...], 0 or 1 / (1 - p), drawn as drop_path draws it), or
+// undefined where drop_path returns x as it is.
+at::Tensor drop_path_scale(const at::Tensor& x, double p, bool training);
 
 // torch.nn.init.trunc_normal_ (inverse-CDF sampling): normal(mean, std) truncated to [a, b],
 // except that no sample lands exactly on a bound far out in the tails (see layers.cpp).

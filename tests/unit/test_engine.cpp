@@ -1002,6 +1002,134 @@ TEST_CASE("inference: ConvNeXt's first stages run LayerNorm, MLP and residual on
   }
 }
 
+TEST_CASE("training: ConvNeXt's LayerNorm, MLP, layer scale and residual on tiles, forward and gradients equal the modules",
+          "[models][ops]") {
+  // the op against the modules' ops through autograd: tiles of one pixel, of 7 (a partial last
+  // tile), of a whole image and more; NCHW maps permuted (strided pixels) and channels-last ones;
+  // with a drop-path factor per image (one image dropped) and without; float64 to 1e-10, float32
+  // to 1e-4 of the largest value
+  const int64_t N = 3, C = 24, D = 96, H = 5, W = 9;
+  for (auto dtype : {at::kDouble, at::kFloat}) {
+    torch::manual_seed(22);
+    const auto o = torch::TensorOptions().dtype(dtype);
+    auto lw = torch::randn({C}, o), lb = torch::randn({C}, o), w1 = torch::randn({D, C}, o) * 0.2,
+         b1 = torch::randn({D}, o), w2 = torch::randn({C, D}, o) * 0.1, b2 = torch::randn({C}, o),
+         gamma = torch::rand({C}, o) + 0.5;
+    const double tol = dtype == at::kDouble ? 1e-10 : 1e-4;
+    for (bool cl : {false, true}) {
+      for (bool dropped : {false, true}) {
+        auto fmt = cl ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
+        const auto x0 = torch::randn({N, C, H, W}, o).contiguous(fmt), r0 = torch::randn({N, C, H, W}, o).contiguous(fmt);
+        const auto g = torch::randn({N, C, H, W}, o).contiguous(fmt);
+        const auto scale = dropped ? torch::tensor({2.0, 0.0, 2.0}, o) : at::Tensor();
+        auto leaves = [&] {
+          std::vector<at::Tensor> v;
+          for (const auto& t : {x0, r0, lw, lb, w1, b1, w2, b2, gamma}) v.push_back(t.clone().requires_grad_(true));
+          return v;
+        };
+        auto ref = leaves();
+        auto xr = ref[0].permute({0, 2, 3, 1});
+        auto branch = at::linear(at::gelu(at::linear(at::layer_norm(xr, {C}, ref[2], ref[3], 1e-6), ref[4], ref[5])),
+                                 ref[6], ref[7])
+                          .permute({0, 3, 1, 2})
+                          .mul(ref[8].reshape({1, -1, 1, 1}));
+        if (dropped) branch = branch * scale.reshape({-1, 1, 1, 1});
+        const auto want = branch + ref[1];
+        want.backward(g);
+        for (int64_t rows : {int64_t(1), int64_t(7), H * W, int64_t(1000)}) {
+          INFO("rows " << rows << (cl ? " channels-last" : " NCHW") << (dropped ? " drop path" : "") << " "
+                       << c10::toString(dtype));
+          auto got_l = leaves();
+          REQUIRE(ops::ln_mlp_tiled_train_supported(got_l[0].permute({0, 2, 3, 1})));
+          const auto got = ops::ln_mlp_residual_tiled_train(got_l[0].permute({0, 2, 3, 1}), got_l[2], got_l[3], 1e-6,
+                                                            got_l[4], got_l[5], got_l[6], got_l[7], got_l[8], scale,
+                                                            got_l[1].permute({0, 2, 3, 1}), rows)
+                               .permute({0, 3, 1, 2});
+          CHECK(got.is_contiguous(at::MemoryFormat::ChannelsLast));
+          const double m = want.abs().max().item<double>();
+          CHECK((got - want).abs().max().item<double>() <= tol * m);
+          got.backward(g);
+          for (size_t i = 0; i < ref.size(); ++i) {
+            INFO("gradient of input " << i);
+            REQUIRE(got_l[i].grad().defined());
+            REQUIRE(got_l[i].grad().sizes() == ref[i].grad().sizes());
+            const double gm = std::max(1e-30, ref[i].grad().abs().max().item<double>());
+            CHECK((got_l[i].grad() - ref[i].grad()).abs().max().item<double>() <= tol * gm);
+          }
+        }
+      }
+    }
+  }
+  // the bits do not depend on the number of threads: 40 tiles in 16 fixed groups
+  {
+    torch::manual_seed(23);
+    auto x0 = torch::randn({4, C, 10, 10}), r0 = torch::randn({4, C, 10, 10}), g = torch::randn({4, C, 10, 10});
+    auto lw = torch::randn({C}), lb = torch::randn({C}), w1 = torch::randn({D, C}) * 0.2, b1 = torch::randn({D}),
+         w2 = torch::randn({C, D}) * 0.1, b2 = torch::randn({C}), gamma = torch::rand({C});
+    auto run = [&](int threads) {
+      const int before = at::get_num_threads();
+      at::set_num_threads(threads);
+      std::vector<at::Tensor> l;
+      for (const auto& t : {x0, lw, lb, w1, b1, w2, b2, gamma}) l.push_back(t.clone().requires_grad_(true));
+      auto y = ops::ln_mlp_residual_tiled_train(l[0].permute({0, 2, 3, 1}), l[1], l[2], 1e-6, l[3], l[4], l[5], l[6],
+                                                l[7], at::Tensor(), r0.permute({0, 2, 3, 1}), 10);
+      y.backward(g.permute({0, 2, 3, 1}));
+      at::set_num_threads(before);
+      std::vector<at::Tensor> out = {y};
+      for (auto& t : l) out.push_back(t.grad());
+      return out;
+    };
+    const auto one = run(1), two = run(2), three = run(3);
+    for (size_t i = 0; i < one.size(); ++i) {
+      INFO("tensor " << i);
+      CHECK(torch::equal(one[i], two[i]));
+      CHECK(torch::equal(one[i], three[i]));
+    }
+  }
+  CHECK_FALSE(ops::ln_mlp_tiled_train_supported(torch::randn({2, 3, 4, 5}).to(at::kBFloat16)));
+  CHECK_FALSE(ops::ln_mlp_tiled_train_supported(torch::randn({2, 3, 4, 5}).transpose(1, 2)));
+  // in the model: ConvNeXt-T training at 224 px with the fusion on runs the tiles in its first two
+  // stages, and its loss and gradients match the modules' (float32, 1e-3 of the largest gradient)
+  ModelArgs a;
+  a.num_classes = 10;
+  auto m = model_zoo::create_model("convnext_tiny", a);
+  {
+    torch::NoGradGuard ng;  // a layer scale far from its 1e-6 init, so that a wrong gamma shows
+    for (auto& p : m->named_parameters())
+      if (p.key().find("gamma") != std::string::npos) p.value().uniform_(0.5, 1.5);
+  }
+  m->train();
+  torch::manual_seed(24);
+  const auto x = torch::randn({1, 3, 224, 224});
+  auto step = [&](bool fuse) {
+    set_training_fusion(*m, fuse);
+    for (auto& p : m->parameters()) p.mutable_grad() = at::Tensor();
+    at::Tensor y;
+    auto names = ops_called([&] {
+      y = m->forward(x);
+      y.square().sum().backward();
+    });
+    std::vector<at::Tensor> gr;
+    for (auto& p : m->parameters()) gr.push_back(p.grad().clone());
+    return std::make_tuple(y.detach(), gr, names);
+  };
+  const auto [y_ref, g_ref, n_ref] = step(false);
+  const auto [y_got, g_got, n_got] = step(true);
+  auto tiles_ran = [](const std::set<std::string>& names) {
+    return std::any_of(names.begin(), names.end(),
+                       [](const std::string& n) { return n.find("LnMlpTrainFunction") != std::string::npos; });
+  };
+  CHECK(tiles_ran(n_got));
+  CHECK_FALSE(tiles_ran(n_ref));
+  CHECK((y_got - y_ref).abs().max().item<double>() <= 1e-4 * y_ref.abs().max().item<double>());
+  REQUIRE(g_got.size() == g_ref.size());
+  for (size_t i = 0; i < g_ref.size(); ++i) {
+    INFO("parameter " << i);
+    CHECK((g_got[i] - g_ref[i]).abs().max().item<double>() <= 1e-3 * g_ref[i].abs().max().item<double>() + 1e-12);
+  }
+  set_training_fusion(*m, false);
+}
+
 TEST_CASE("inference fusion sums a residual in place only when nothing else holds it", "[models]") {
   torch::manual_seed(4);
   torch::nn::Conv2d conv(torch::nn::Conv2dOptions(8, 8, 3).padding(1).bias(false));
