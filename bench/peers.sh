@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Issue 17's comparison: `imgtrain benchmark` against every configuration of timm a user could pick
 # on the same machine, torch and threads, in one run, alternating, medians:
-#   imgtrain             (its defaults: inference with BatchNorm folded, training with torch's modules)
-#   imgtrain unfused     (inference: --fuse-bn=false, torch's modules)
-#   imgtrain fused       (training: --fuse-bn, imgtrain's BatchNorm + add + activation kernel)
+#   imgtrain             (its defaults: inference with BatchNorm folded; training with the fused
+#                         kernels where train defaults to them on the CPU: ResNet, EfficientNet,
+#                         MobileNetV3, ConvNeXt)
+#   imgtrain unfused     (--fuse-bn=false: torch's modules, inference and training)
 #   timm eager           (bench/timm_benchmark.py, timm benchmark.py's measurement)
 #   timm eager + malloc  (the same with imgtrain's glibc malloc settings as environment variables)
 #   timm compiled        (torch.compile default mode, with those malloc settings)
@@ -21,15 +22,13 @@ mode=train
 [[ " $* " == *" --bench both "* ]] && { echo "peers.sh: one of --bench inference / --bench train" >&2; exit 2; }
 field() { sed -n '/^--result/,$p' | sed 1d | "$py" -c "import json,sys; s = sys.stdin.read(); print(json.loads(s).get('${mode}_samples_per_sec', '') if s.strip() else '')"; }
 # A command that fails or refuses (e.g. --fuse-bn training with --amp) prints no result: its cell stays empty.
-names=(imgtrain imgtrain_fused timm_eager timm_eager_malloc timm_compiled)
-[[ $mode == infer ]] && names=(imgtrain imgtrain_unfused timm_eager timm_eager_malloc timm_compiled)
+names=(imgtrain imgtrain_unfused timm_eager timm_eager_malloc timm_compiled)
 declare -A vals
 for ((r = 0; r < runs; r++)); do
   for n in "${names[@]}"; do
     case $n in
       imgtrain) v=$("$bin" benchmark --device cpu "$@" 2>/dev/null | field) || v= ;;
       imgtrain_unfused) v=$("$bin" benchmark --device cpu "$@" --fuse-bn=false 2>/dev/null | field) || v= ;;
-      imgtrain_fused) v=$("$bin" benchmark --device cpu "$@" --fuse-bn 2>/dev/null | field) || v= ;;
       timm_eager) v=$("$py" "$here/bench/timm_benchmark.py" "$@" 2>/dev/null | field) || v= ;;
       timm_eager_malloc) v=$("${malloc[@]}" "$py" "$here/bench/timm_benchmark.py" "$@" 2>/dev/null | field) || v= ;;
       timm_compiled) v=$("${malloc[@]}" "$py" "$here/bench/timm_benchmark.py" "$@" --torchcompile 2>/dev/null | field) || v= ;;
