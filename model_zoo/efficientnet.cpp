@@ -215,7 +215,7 @@ struct InvertedResidualImpl : torch::nn::Module {
 };
 
 // ---- the model ------------------------------------------------------------------------------
-class EfficientNetImpl : public ClassifierImpl {
+class EfficientNetImpl : public ClassifierImpl, public InferenceFusion {
  public:
   EfficientNetImpl(const EffSpec& s, const ModelArgs& a)
       : family_(s.family), num_classes_(a.num_classes), drop_rate_(a.drop_rate) {
@@ -305,9 +305,12 @@ class EfficientNetImpl : public ClassifierImpl {
   }
   at::Tensor forward_head(const at::Tensor& in, bool pre_logits) override {
     at::Tensor x;
-    if (family_ == Family::MobileNetV3)
-      x = apply_act(conv_head_(global_pool(in, pool_, /*keepdim=*/true)), act_, true).flatten(1);
-    else
+    if (family_ == Family::MobileNetV3) {
+      // inference fusion: the head's 1x1 convolution of the pooled map as a GEMM
+      if (fuse_infer && !is_training()) x = pooled_conv1x1(*conv_head_, global_pool(in, pool_));
+      x = x.defined() ? apply_act(x, act_, true)
+                      : apply_act(conv_head_(global_pool(in, pool_, /*keepdim=*/true)), act_, true).flatten(1);
+    } else
       x = global_pool(in, pool_);
     if (drop_rate_ > 0) x = torch::dropout(x, drop_rate_, is_training());
     if (pre_logits || !classifier_) return x;

@@ -368,6 +368,21 @@ const std::optional<c10::OperatorHandle>& linear_op(bool binary) {
 }
 }  // namespace
 
+at::Tensor pooled_conv1x1(const torch::nn::Conv2dImpl& conv, const at::Tensor& pooled) {
+  const auto& w = conv.weight;
+  const auto& o = conv.options;
+  if (c10::GradMode::is_enabled() || pooled.dim() != 2 || !pooled.device().is_cpu() ||
+      pooled.scalar_type() != at::kFloat || w.scalar_type() != at::kFloat || at::autocast::is_autocast_enabled(at::kCPU))
+    return {};
+  if (w.dim() != 4 || w.size(2) != 1 || w.size(3) != 1 || w.size(1) != pooled.size(1) || o.groups() != 1 ||
+      o.stride()->at(0) != 1 || o.stride()->at(1) != 1)
+    return {};
+  // (a 1x1 kernel at stride 1 pads nothing for 'same' or 'valid')
+  if (const auto* pad = std::get_if<torch::ExpandingArray<2>>(&o.padding()); pad && ((*pad)->at(0) || (*pad)->at(1)))
+    return {};
+  return at::linear(pooled, w.view({w.size(0), w.size(1)}), conv.bias);
+}
+
 bool linear_fusable(const at::Tensor& x) {
   return !c10::GradMode::is_enabled() && x.scalar_type() == at::kFloat && x.device().is_cpu() &&
          !at::autocast::is_autocast_enabled(at::kCPU) && linear_op(false) && linear_op(true);
@@ -441,6 +456,12 @@ at::Tensor SqueezeExciteImpl::forward(const at::Tensor& x) {
     if (a && (gate == Act::Sigmoid || gate == Act::HardSigmoid))
       return ops::se_gate_train(x, conv_reduce->weight, conv_reduce->bias, conv_expand->weight, conv_expand->bias, *a,
                                 gate == Act::Sigmoid ? ops::SeGate::Sigmoid : ops::SeGate::HardSigmoid);
+  }
+  if (fuse_infer && !is_training() && x.dim() == 4) {
+    const auto pooled = x.mean({2, 3});
+    if (auto s = pooled_conv1x1(*conv_reduce, pooled); s.defined())
+      if (auto e = pooled_conv1x1(*conv_expand, apply_act(s, act, true)); e.defined())
+        return x * apply_act(e, gate, true).view({x.size(0), x.size(1), 1, 1});
   }
   auto s = conv_expand(apply_act(conv_reduce(x.mean({2, 3}, /*keepdim=*/true)), act, true));
   return x * apply_act(s, gate, true);

@@ -888,6 +888,8 @@ TEST_CASE("inference fusion: BatchNorm folded into the convolutions equals the m
       const double scale = ref.abs().max().item<double>();
       CHECK((y - ref).abs().max().item<double>() <= 1e-4 * scale);
       CHECK_FALSE(torch::equal(y, ref));  // the fused kernels did run
+      // every convolution a oneDNN fused op; squeeze-and-excite's two on the pooled map as GEMMs
+      CHECK_FALSE(ops_called([&] { m->forward(x); }).count("aten::conv2d"));
       // another batch size
       const auto y2 = m->forward(x.slice(0, 0, 2));
       CHECK((y2 - ref.slice(0, 0, 2)).abs().max().item<double>() <= 1e-4 * scale);
