@@ -1768,3 +1768,22 @@ TEST_CASE("CUDA: squeeze-and-excite's fused backward equals torch's ops on the d
     CHECK(torch::equal(run(), run()));
   }
 }
+
+TEST_CASE("CPU training defaults: NHWC and fused kernels for the BatchNorm convnets, fused in NCHW for ConvNeXt",
+          "[models]") {
+  const torch::Device cpu(torch::kCPU), gpu(torch::kCUDA, 0);
+  const auto fp32 = engine::resolve_amp(false, "", ""), bf16 = engine::resolve_amp(true, "bfloat16", "");
+  for (const char* name : {"resnet50", "efficientnet_b0", "mobilenetv3_large_100"}) {
+    INFO(name);
+    CHECK(engine::nhwc_fused_training_default(name, cpu, fp32));
+    CHECK(engine::fused_training_default(name, cpu, fp32));
+    CHECK_FALSE(engine::fused_training_default(name, cpu, bf16));
+    CHECK_FALSE(engine::fused_training_default(name, gpu, fp32));
+  }
+  CHECK_FALSE(engine::nhwc_fused_training_default("convnext_tiny", cpu, fp32));
+  CHECK(engine::fused_training_default("convnext_tiny", cpu, fp32));
+  CHECK_FALSE(engine::fused_training_default("convnext_tiny", cpu, bf16));
+  CHECK_FALSE(engine::fused_training_default("convnext_tiny", gpu, fp32));
+  CHECK_FALSE(engine::fused_training_default("vit_small_patch16_224", cpu, fp32));
+  CHECK_FALSE(engine::fused_training_default("no_such_model", cpu, fp32));
+}
