@@ -71,12 +71,16 @@ Amp resolve_amp(bool amp, const std::string& amp_dtype, const std::string& opt_l
   return a;
 }
 
+namespace {
+bool cpu_float32(torch::Device device, const Amp& amp) { return device.is_cpu() && !amp.enabled && !amp.o2; }
+}  // namespace
+
 bool nhwc_fused_training_default(const std::string& model, torch::Device device, const Amp& amp) {
-  return device.is_cpu() && !amp.enabled && !amp.o2 && model_zoo::cpu_training_nhwc_fused(model);
+  return cpu_float32(device, amp) && model_zoo::cpu_training_nhwc_fused(model);
 }
 
 bool fused_training_default(const std::string& model, torch::Device device, const Amp& amp) {
-  return device.is_cpu() && !amp.enabled && !amp.o2 && model_zoo::cpu_training_fused(model);
+  return cpu_float32(device, amp) && model_zoo::cpu_training_fused(model);
 }
 
 void to_channels_last(torch::nn::Module& m) {

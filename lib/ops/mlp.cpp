@@ -22,37 +22,9 @@
 
 namespace imgtrain::ops {
 
-at::Tensor ln_mlp_residual_tiled(const at::Tensor& x, const at::Tensor& ln_w, const at::Tensor& ln_b, double eps,
-                                 const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2,
-                                 const at::Tensor& b2, const at::Tensor& residual, int64_t rows) {
-  TORCH_CHECK(x.dim() == 4 && residual.sizes() == x.sizes(), "ln_mlp_residual_tiled: x and residual [N, H, W, C]");
-  const int64_t N = x.size(0), C = x.size(3), HW = x.size(1) * x.size(2);
-  rows = std::max<int64_t>(1, rows);
-  const int64_t per_image = (HW + rows - 1) / rows;
-  auto out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
-  const auto w1t = w1.t(), w2t = w2.t();
-  // ATen ops inside the parallel region run on the calling thread (and MKL's GEMM with one thread)
-  at::parallel_for(0, N * per_image, 1, [&](int64_t t0, int64_t t1) {
-    c10::AutoGradMode no_grad(false);  // thread-local: OpenMP's threads start with autograd on
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t n = t / per_image, p0 = (t % per_image) * rows, p1 = std::min(HW, p0 + rows);
-      // (pixels, C) views of image n, strided where the map is NCHW in memory
-      const auto pixels = [&](const at::Tensor& m) { return m.select(0, n).flatten(0, 1).slice(0, p0, p1); };
-      auto h = at::addmm(b1, at::layer_norm(pixels(x), {C}, ln_w, ln_b, eps), w1t);
-      at::gelu_(h);
-      auto o = pixels(out);
-      at::addmm_out(o, b2, h, w2t);
-      o.add_(pixels(residual));
-    }
-  });
-  return out;
-}
-
 namespace {
 
 // The tiles of an [N, H, W, C] map: `rows` pixels of one image each, the last of an image shorter
-constexpr int64_t kGradGroups = 16;  // backward: the tiles in this many fixed groups (thread-independent sums)
-
 struct Tiles {
   int64_t N, HW, rows, per_image;
   Tiles(const at::Tensor& x, int64_t r)
@@ -72,6 +44,32 @@ struct Tiles {
   }
 };
 
+}  // namespace
+
+at::Tensor ln_mlp_residual_tiled(const at::Tensor& x, const at::Tensor& ln_w, const at::Tensor& ln_b, double eps,
+                                 const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2,
+                                 const at::Tensor& b2, const at::Tensor& residual, int64_t rows) {
+  TORCH_CHECK(x.dim() == 4 && residual.sizes() == x.sizes(), "ln_mlp_residual_tiled: x and residual [N, H, W, C]");
+  const Tiles tl(x, rows);
+  const int64_t C = x.size(3);
+  auto out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  const auto w1t = w1.t(), w2t = w2.t();
+  // ATen ops inside the parallel region run on the calling thread (and MKL's GEMM with one thread)
+  at::parallel_for(0, tl.count(), 1, [&](int64_t t0, int64_t t1) {
+    c10::AutoGradMode no_grad(false);  // thread-local: OpenMP's threads start with autograd on
+    for (int64_t t = t0; t < t1; ++t) {
+      auto h = at::addmm(b1, at::layer_norm(tl.of(x, t), {C}, ln_w, ln_b, eps), w1t);
+      at::gelu_(h);
+      auto o = tl.of(out, t);
+      at::addmm_out(o, b2, h, w2t);
+      o.add_(tl.of(residual, t));
+    }
+  });
+  return out;
+}
+
+namespace {
+
 std::vector<double> scale_values(const at::Tensor& scale) {
   std::vector<double> v;
   if (scale.numel() == 0) return v;
@@ -79,6 +77,8 @@ std::vector<double> scale_values(const at::Tensor& scale) {
   v.assign(d.data_ptr<double>(), d.data_ptr<double>() + d.numel());
   return v;
 }
+
+constexpr int64_t kGradGroups = 16;  // backward: the tiles in this many fixed groups (thread-independent sums)
 
 struct LnMlpTrainFunction : torch::autograd::Function<LnMlpTrainFunction> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& ln_w,
@@ -106,7 +106,6 @@ struct LnMlpTrainFunction : torch::autograd::Function<LnMlpTrainFunction> {
     ctx->save_for_backward({x, ln_w, ln_b, w1, w2, b2, gamma, scale, hs});
     ctx->saved_data["eps"] = eps;
     ctx->saved_data["rows"] = tl.rows;
-    ctx->saved_data["residual_grad"] = residual.requires_grad();
     return out;
   }
 
@@ -156,7 +155,6 @@ struct LnMlpTrainFunction : torch::autograd::Function<LnMlpTrainFunction> {
     // out = gamma * (a W2^T + b2): dW2 = gamma * g^T a, db2 = gamma * sum g, dgamma = sum over
     // pixels of g * (a W2^T + b2) = rows of W2 * (g^T a) + b2 * sum g
     auto dgamma = (w2 * gw2).sum(1) + b2 * gsum;
-    const bool residual_grad = ctx->saved_data["residual_grad"].toBool();
     return {dx,
             c.select(0, 1).clone(),
             c.select(0, 2).clone(),
@@ -165,7 +163,7 @@ struct LnMlpTrainFunction : torch::autograd::Function<LnMlpTrainFunction> {
             gw2 * gamma.unsqueeze(1),
             gsum * gamma,
             dgamma,
-            residual_grad ? g : at::Tensor(),
+            ctx->needs_input_grad(8) ? g : at::Tensor(),  // the residual's
             at::Tensor(),
             at::Tensor(),
             at::Tensor()};

@@ -958,6 +958,20 @@ TEST_CASE("inference fusion of ViT and ConvNeXt: GELU and residual adds as linea
   }
 }
 
+namespace {
+// ConvNeXt-T (10 classes) with its layer scales far from their 1e-6 init, so that a wrong fold or
+// a wrong gamma gradient shows in a comparison with the modules
+model_zoo::Model convnext_tiny_scaled() {
+  ModelArgs a;
+  a.num_classes = 10;
+  auto m = model_zoo::create_model("convnext_tiny", a);
+  torch::NoGradGuard ng;
+  for (auto& p : m->named_parameters())
+    if (p.key().find("gamma") != std::string::npos) p.value().uniform_(0.5, 1.5);
+  return m;
+}
+}  // namespace
+
 TEST_CASE("inference: ConvNeXt's first stages run LayerNorm, MLP and residual on tiles of pixels, equal within rounding",
           "[models][ops]") {
   // the op alone: tiles of one pixel, of 7 (a partial last tile), of a whole image and more;
@@ -981,14 +995,7 @@ TEST_CASE("inference: ConvNeXt's first stages run LayerNorm, MLP and residual on
     }
   }
   // in the model: at 224 px the first two stages' maps are large enough to be tiled
-  ModelArgs a;
-  a.num_classes = 10;
-  auto m = model_zoo::create_model("convnext_tiny", a);
-  {
-    torch::NoGradGuard ng;  // a layer scale far from its 1e-6 init, so that a wrong fold shows
-    for (auto& p : m->named_parameters())
-      if (p.key().find("gamma") != std::string::npos) p.value().uniform_(0.5, 1.5);
-  }
+  auto m = convnext_tiny_scaled();
   m->eval();
   torch::NoGradGuard ng;
   for (bool cl : {false, true}) {
@@ -1092,14 +1099,7 @@ TEST_CASE("training: ConvNeXt's LayerNorm, MLP, layer scale and residual on tile
   CHECK_FALSE(ops::ln_mlp_tiled_train_supported(torch::randn({2, 3, 4, 5}).transpose(1, 2)));
   // in the model: ConvNeXt-T training at 224 px with the fusion on runs the tiles in its first two
   // stages, and its loss and gradients match the modules' (float32, 1e-3 of the largest gradient)
-  ModelArgs a;
-  a.num_classes = 10;
-  auto m = model_zoo::create_model("convnext_tiny", a);
-  {
-    torch::NoGradGuard ng;  // a layer scale far from its 1e-6 init, so that a wrong gamma shows
-    for (auto& p : m->named_parameters())
-      if (p.key().find("gamma") != std::string::npos) p.value().uniform_(0.5, 1.5);
-  }
+  auto m = convnext_tiny_scaled();
   m->train();
   torch::manual_seed(24);
   const auto x = torch::randn({1, 3, 224, 224});
