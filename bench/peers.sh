@@ -6,8 +6,10 @@
 #                         MobileNetV3, ConvNeXt)
 #   imgtrain unfused     (--fuse-bn=false: torch's modules, inference and training)
 #   timm eager           (bench/timm_benchmark.py, timm benchmark.py's measurement)
-#   timm eager + malloc  (the same with imgtrain's glibc malloc settings as environment variables)
-#   timm compiled        (torch.compile default mode, with those malloc settings)
+#   timm eager + malloc  (the same with the process settings imgtrain makes at start-up: its glibc
+#                         malloc settings as environment variables, and on an AMD CPU MKL's Intel
+#                         code paths through a preloaded mkl_serv_intel_cpu_true, built here with cc)
+#   timm compiled        (torch.compile default mode, with those settings)
 # and the ratio of imgtrain to the best peer.
 #   bench/peers.sh [RUNS] -- <benchmark flags with --bench inference or --bench train>
 set -euo pipefail
@@ -17,6 +19,16 @@ runs=${1:-3}; shift || true
 py=$here/.venv/bin/python
 bin=$here/build/bin/imgtrain
 malloc=(env MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=1073741824)
+# imgtrain answers MKL's vendor question itself (apps/imgtrain/commands.cpp): the peers get the same
+# answer, or their GEMMs would run MKL's generic AVX2 kernels where imgtrain's run AVX-512.
+if grep -q '^vendor_id.*AuthenticAMD' /proc/cpuinfo 2>/dev/null; then
+  shim_dir=$(mktemp -d)
+  trap 'rm -rf "$shim_dir"' EXIT
+  echo 'int mkl_serv_intel_cpu_true(void) { return 1; }' > "$shim_dir/shim.c"
+  cc -shared -fPIC -O2 -o "$shim_dir/libmklintel.so" "$shim_dir/shim.c" ||
+    { echo "peers.sh: cc could not build the MKL shim for the peers" >&2; exit 2; }
+  malloc+=(LD_PRELOAD="$shim_dir/libmklintel.so")
+fi
 mode=train
 [[ " $* " == *" --bench inference "* ]] && mode=infer
 [[ " $* " == *" --bench both "* ]] && { echo "peers.sh: one of --bench inference / --bench train" >&2; exit 2; }

@@ -15,7 +15,13 @@
 
 #include <torch/torch.h>
 
+#include <atomic>
 #include <chrono>
+#include <cstdlib>
+#include <cstring>
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -246,6 +252,47 @@ int pack(const std::vector<std::string>& args) {
   return 0;
 }
 
+// MKL, linked into LibTorch's CPU library, asks mkl_serv_intel_cpu_true() whether the CPU is
+// Intel's before it picks its GEMM kernels; on other vendors' CPUs the answer is no and sgemm runs
+// generic AVX2 code even where the CPU has AVX-512 (an AMD EPYC Zen 4: 190-207 against 207-228
+// GFLOPS on ViT-S's linears, docs/performance.md). The library calls the function through its
+// dynamic symbol table, so this definition in the executable (exported: see CMakeLists.txt)
+// answers instead: yes on AMD CPUs, where MKL then picks its kernels by the CPU's instruction sets
+// as on Intel's; the vendor's answer elsewhere. IMGTRAIN_MKL_INTEL_PATHS=0 gives the vendor's answer
+// on AMD too. oneDNN (convolutions, the prepacked linears) does not ask.
+namespace {
+std::atomic<int> g_mkl_vendor_asks{0};
+
+std::string cpu_vendor() {
+#if defined(__x86_64__) || defined(__i386__)
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!__get_cpuid(0, &eax, &ebx, &ecx, &edx)) return "unknown";
+  char v[13] = {};
+  std::memcpy(v, &ebx, 4);
+  std::memcpy(v + 4, &edx, 4);
+  std::memcpy(v + 8, &ecx, 4);
+  return v;
+#else
+  return "non-x86";
+#endif
+}
+
+bool mkl_intel_paths_wanted() {
+  if (const char* v = std::getenv("IMGTRAIN_MKL_INTEL_PATHS"); v && std::strcmp(v, "0") == 0) return false;
+  return true;
+}
+}  // namespace
+
+MklDispatch mkl_dispatch() {
+  static const std::string vendor = cpu_vendor();
+  MklDispatch d;
+  d.vendor = vendor;
+  d.genuine_intel = vendor == "GenuineIntel";
+  d.intel_paths = d.genuine_intel || (vendor == "AuthenticAMD" && mkl_intel_paths_wanted());
+  d.asked = g_mkl_vendor_asks.load();
+  return d;
+}
+
 int version(const char* version) {
   std::printf("imgtrain %s (LibTorch %s, CUDA %s)\n", version, TORCH_VERSION,
 #ifdef IMGTRAIN_WITH_CUDA
@@ -254,6 +301,18 @@ int version(const char* version) {
               "disabled"
 #endif
   );
+  // One small product, so that MKL (where LibTorch has it) has chosen its code paths by now.
+  const auto a = torch::ones({64, 64});
+  (void)torch::mm(a, a);
+  const auto m = mkl_dispatch();
+  if (m.asked == 0)
+    std::printf("MKL: not asked for the CPU vendor (this LibTorch's BLAS is not MKL)\n");
+  else if (m.intel_paths && !m.genuine_intel)
+    std::printf("MKL: Intel's code paths on this %s CPU (IMGTRAIN_MKL_INTEL_PATHS=0 restores MKL's vendor check)\n",
+                m.vendor.c_str());
+  else
+    std::printf("MKL: %s code paths (%s CPU%s)\n", m.genuine_intel ? "Intel's" : "generic", m.vendor.c_str(),
+                m.intel_paths || m.genuine_intel ? "" : ", IMGTRAIN_MKL_INTEL_PATHS=0");
   return 0;
 }
 
@@ -391,3 +450,9 @@ int coco_info(const std::vector<std::string>& args) {
 }
 
 }  // namespace imgtrain::app
+
+// MKL's question, answered by the executable (see imgtrain::app::mkl_dispatch).
+extern "C" __attribute__((visibility("default"), used)) int mkl_serv_intel_cpu_true() {
+  imgtrain::app::g_mkl_vendor_asks.fetch_add(1);
+  return imgtrain::app::mkl_dispatch().intel_paths ? 1 : 0;
+}

@@ -8,6 +8,7 @@
 #include "integration/fixtures.h"
 
 #include <catch2/catch.hpp>
+#include <fstream>
 #include <opencv2/imgcodecs.hpp>
 #include <torch/torch.h>
 
@@ -525,6 +526,37 @@ TEST_CASE("models lists the registry with parameter counts", "[integration]") {
     CHECK_THAT("\n" + all.output, Catch::Contains(std::string("\n") + name + " "));
   auto v = test::run(kBin + " --version");
   CHECK_THAT(v.output, Catch::Contains("imgtrain 0.1.0"));
+}
+
+TEST_CASE("MKL asks the executable for the CPU vendor, and AMD CPUs get its Intel code paths", "[integration]") {
+  // The answer only reaches MKL when the executable exports mkl_serv_intel_cpu_true: a link change
+  // that drops the export leaves MKL asking its own copy, and this test sees "not asked".
+  std::string vendor;
+  {
+    std::ifstream cpuinfo("/proc/cpuinfo");
+    for (std::string line; std::getline(cpuinfo, line);)
+      if (const auto colon = line.find(": "); line.rfind("vendor_id", 0) == 0 && colon != std::string::npos) {
+        vendor = line.substr(colon + 2);
+        break;
+      }
+  }
+  auto on = test::run(kBin + " --version");
+  auto off = test::run("IMGTRAIN_MKL_INTEL_PATHS=0 " + kBin + " --version");
+  INFO(on.output << off.output << "vendor " << vendor);
+  REQUIRE(on.code == 0);
+  REQUIRE(off.code == 0);
+#if defined(__x86_64__)
+  // the PyPI torch wheel for x86-64 carries MKL
+  if (vendor == "AuthenticAMD") {
+    CHECK_THAT(on.output, Catch::Contains("MKL: Intel's code paths on this AuthenticAMD CPU"));
+    CHECK_THAT(off.output, Catch::Contains("MKL: generic code paths (AuthenticAMD CPU"));
+  } else if (vendor == "GenuineIntel") {
+    CHECK_THAT(on.output, Catch::Contains("MKL: Intel's code paths (GenuineIntel CPU)"));
+    CHECK_THAT(off.output, Catch::Contains("MKL: Intel's code paths (GenuineIntel CPU)"));
+  } else {
+    CHECK_THAT(on.output, Catch::Contains("MKL: generic code paths"));
+  }
+#endif
 }
 
 TEST_CASE("each family trains, exports, and timm reproduces the outputs from the exported file", "[integration]") {
