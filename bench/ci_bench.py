@@ -201,7 +201,10 @@ def device_name(device):
 
 def environment(imgtrain, device):
     """What the numbers depend on. The device is the one the commands were given, not this Python's."""
-    version = subprocess.run([imgtrain, '--version'], stdout=subprocess.PIPE, text=True).stdout.strip()
+    lines = subprocess.run([imgtrain, '--version'], stdout=subprocess.PIPE, text=True).stdout.strip().splitlines()
+    version = lines[0] if lines else 'unknown'
+    # the second line says which GEMM kernels MKL took (Intel's paths on AMD CPUs: docs/performance.md)
+    mkl = next((l[len('MKL: '):] for l in lines[1:] if l.startswith('MKL: ')), 'unknown')
     commit = os.environ.get('GIT_COMMIT') or subprocess.run(
         ['git', '-C', HERE, 'rev-parse', '--short', 'HEAD'], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
         text=True).stdout.strip()
@@ -212,7 +215,7 @@ def environment(imgtrain, device):
         torch_version, threads = 'not installed', os.cpu_count()
     name = device_name(device)
     return {'imgtrain_version': version, 'git_commit': commit or 'unknown', 'torch_version': torch_version,
-            'device': name, 'threads': threads}
+            'device': name, 'threads': threads, 'mkl': mkl}
 
 
 def arg_value(args, *names, default=None):

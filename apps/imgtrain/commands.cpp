@@ -2,6 +2,7 @@
 
 #include "cli/config.h"
 #include "core/error.h"
+#include "core/registry.h"
 #include "data/coco_detection.h"
 #include "data/dataset.h"
 #include "data/shards.h"
@@ -53,6 +54,19 @@ std::optional<int> launch_workers(const cli::Config& cfg, const char* command, c
 std::optional<cxxopts::ParseResult> parse_command(cxxopts::Options& opts, const char* name,
                                                   const std::vector<std::string>& args) {
   std::vector<std::string> a = args;
+  // An unknown flag: the line train's parser gives, with the closest of this command's flags.
+  std::vector<std::string> known;
+  for (const auto& g : opts.groups())
+    for (const auto& o : opts.group_help(g).options)
+      for (const auto& l : o.l) known.push_back(l);
+  for (const auto& s : a) {
+    if (s.size() < 3 || s.rfind("--", 0) != 0) continue;
+    const std::string flag = s.substr(2, s.find('=') == std::string::npos ? std::string::npos : s.find('=') - 2);
+    if (std::find(known.begin(), known.end(), flag) != known.end()) continue;
+    const auto close = closest_names(flag, known, 1);
+    throw UserError(fmt::format("unknown flag '--{}' for imgtrain {}{}", flag, name,
+                                close.empty() ? std::string() : fmt::format(" (did you mean --{}?)", close[0])));
+  }
   std::vector<char*> argv{const_cast<char*>(name)};
   for (auto& s : a) argv.push_back(s.data());
   cxxopts::ParseResult r;
@@ -242,6 +256,15 @@ int pack(const std::vector<std::string>& args) {
   data::PackOptions po;
   po.data_dir = r["data-dir"].as<std::string>();
   po.out = r["out"].as<std::string>();
+  {  // shards written among the images they are made from would be scanned as part of the folder
+    std::error_code ec;
+    const auto in = std::filesystem::weakly_canonical(po.data_dir, ec);
+    const auto out = std::filesystem::weakly_canonical(po.out, ec);
+    const auto rel = out.lexically_relative(in);
+    if (!ec && !rel.empty() && *rel.begin() != "..")
+      throw UserError(fmt::format("--out '{}' is {} --data-dir '{}': give an output folder outside the ImageFolder",
+                                  po.out, rel == "." ? "the same folder as" : "inside", po.data_dir));
+  }
   po.shard_size = parse_size(r["shard-size"].as<std::string>());
   po.max_size = r["max-size"].as<int>();
   if (po.max_size < 0) throw UserError(fmt::format("--max-size {}: expected 0 or a positive size", po.max_size));

@@ -192,6 +192,9 @@ struct Config {
   // where it has no effect is an error rather than silently ignored.
   std::set<std::string> given;
   bool was_given(const std::string& flag) const { return given.count(flag) > 0; }
+  // --model on the command line or in the -c file, even at its default value (validate takes the
+  // checkpoint's model only when neither names one).
+  bool model_named() const { return model != Config{}.model || was_given("model") || in_file.count("model") > 0; }
   // --fuse-bn as given, else `default_on`.
   bool fuse_bn_on(bool default_on) const { return was_given("fuse-bn") ? fuse_bn : default_on; }
   // --channels-last as given, else `default_on`.

@@ -350,6 +350,7 @@ int benchmark_detection(const cli::Config& cfg, torch::Device device) {
   if (cfg.nproc_per_node > 0 || std::getenv("WORLD_SIZE"))
     throw UserError(fmt::format("--model {}: the detection benchmark runs in one process", cfg.model));
   const Amp amp = resolve_amp(cfg.amp, cfg.amp_dtype, cfg.amp_opt_level);
+  warn_cpu_float16(amp, device);
   const int64_t img = cfg.img_size.value_or(512), b = cfg.batch_size;
   const int64_t padded = (img + 31) / 32 * 32;
   det::RCNNOptions o;
@@ -395,7 +396,7 @@ int benchmark_detection(const cli::Config& cfg, torch::Device device) {
   }
   batch.tensors = batch.tensors.to(device);
   if (cfg.channels_last) batch.tensors = batch.tensors.contiguous(at::MemoryFormat::ChannelsLast);
-  log::info("Benchmarking {} in {} precision. {} layout.", cfg.model, amp.enabled ? "amp" : "float32",
+  log::info("Benchmarking {} in {} precision. {} layout.", cfg.model, precision_name(amp),
             cfg.channels_last ? "NHWC" : "NCHW");
   nlohmann::ordered_json results;
   results["model"] = cfg.model;
@@ -485,6 +486,7 @@ int benchmark(const cli::Config& cfg) {
     throw UserError("--cuda-graph: not with a data-parallel benchmark yet (the gradient all-reduce is not "
                     "captured); benchmark one process, or leave --cuda-graph out");
   const Amp amp = resolve_amp(cfg.amp, cfg.amp_dtype, cfg.amp_opt_level);
+  warn_cpu_float16(amp, device);
   const auto& d = model_zoo::model_defaults(cfg.model);
   // timm: the test input size unless --img-size or --use-train-size.
   const int64_t img = cfg.img_size.value_or(!cfg.use_train_size && d.test_input_size ? d.test_input_size
@@ -499,7 +501,7 @@ int benchmark(const cli::Config& cfg) {
   // flags say; inference: NCHW unless --channels-last (measured neutral there, docs/performance.md)
   const bool nhwc_fused = nhwc_fused_training_default(cfg.model, device, amp);
   auto nhwc = [&](bool train) { return train ? cfg.channels_last_on(nhwc_fused) : cfg.channels_last; };
-  log::info("Benchmarking in {} precision. {} layout.", amp.enabled ? "amp" : "float32",
+  log::info("Benchmarking in {} precision. {} layout.", precision_name(amp),
             nhwc(cfg.bench == "train") ? "NHWC" : "NCHW");
   if (cfg.bench == "both" && nhwc(true) != nhwc(false))
     log::info("Training in {} layout (this family's CPU default; --channels-last [=false] chooses).",

@@ -184,7 +184,10 @@ ResumePoint resume(Run& r, const cli::Config& cfg, std::optional<Checkpoint> che
     saver.best_metric = *m.best_metric;
     saver.best_epoch = m.best_epoch.value_or(-1);
   }
-  log::info("Resumed from checkpoint '{}' (epoch {})", path, p.start_epoch - 1);
+  if (m.recovery_update)  // a mid-epoch point: the epoch it continues and the update it resumes after
+    log::info("Resumed from checkpoint '{}' (epoch {}, after its update {})", path, p.start_epoch, *m.recovery_update);
+  else
+    log::info("Resumed from checkpoint '{}' (epoch {})", path, p.start_epoch - 1);
   return p;
 }
 
@@ -215,6 +218,7 @@ int fit(const cli::Config& given_cfg, torch::Device device, dist::Context* ctx) 
                                 fmt::join(names, ", "), task.name()));
   const DataConfig& dc = r.setup.data;
   const Amp amp = resolve_amp(cfg.amp, cfg.amp_dtype, cfg.amp_opt_level);
+  warn_cpu_float16(amp, device);
   if ((amp.enabled || amp.o2) && amp.dtype == at::kHalf)
     r.scaler = std::make_unique<LossScaler>(cfg.loss_scale.value_or(65536.0), !cfg.loss_scale, device);
 
@@ -354,6 +358,14 @@ int fit(const cli::Config& given_cfg, torch::Device device, dist::Context* ctx) 
               updates_per_epoch);
   else
     log::info("Scheduled epochs: {}. LR stepped per {}.", num_epochs, scheduler.on_updates() ? "update" : "epoch");
+  // timm's default --warmup-epochs 5 on a short run: the whole run warms up and never reaches --lr
+  // (timm does the same, silently)
+  if (!cfg.max_iter && !cfg.warmup_iters && !cfg.warmup_prefix && cfg.sched != "none" && cfg.warmup_epochs > 0 &&
+      cfg.warmup_epochs >= num_epochs && start_epoch < num_epochs)
+    log::warn("--warmup-epochs {} is not shorter than the {} scheduled epoch(s): the whole run is learning-rate "
+              "warm-up from --warmup-lr {} and never reaches the learning rate (timm does the same); give "
+              "--warmup-epochs 0 or fewer than --epochs",
+              cfg.warmup_epochs, num_epochs, cfg.warmup_lr);
   if (start_epoch > 0 && cfg.sched == "plateau" && !rp.plateau.empty()) {
     const auto pm = parse_plateau(rp.plateau).value();  // checked when the checkpoint was read
     optim::Scheduler::PlateauState ps;                   // the metric-driven state as the checkpoint left it

@@ -39,6 +39,11 @@ struct Amp {
 };
 // --amp / --amp-dtype (float16|bfloat16) / --amp-opt-level ('', O0, O1, O2).
 Amp resolve_amp(bool amp, const std::string& amp_dtype, const std::string& opt_level);
+// One warning where float16 autocast runs on the CPU: torch has few float16 CPU kernels, so it is
+// far slower than float32 there (recipes with `amp: true` default to float16, as timm's do).
+void warn_cpu_float16(const Amp& amp, torch::Device device);
+// timm benchmark.py's name for the precision: float32, amp (float16) or amp_bfloat16.
+std::string precision_name(const Amp& amp);
 
 // --channels-last: 4-D weights to NHWC memory layout (inputs follow in the training loop).
 void to_channels_last(torch::nn::Module& m);

@@ -50,6 +50,7 @@ int validate(const cli::Config& cfg) {
   eo.std = setup.data.std;
   eo.channels_last = cfg.channels_last;
   eo.amp = resolve_amp(cfg.amp, cfg.amp_dtype, cfg.amp_opt_level);
+  warn_cpu_float16(eo.amp, device);
   eo.log_interval = cfg.log_interval;
   eo.validate_style = true;
   const auto res = evaluate(task, *model, loader, eo);

@@ -176,10 +176,16 @@ class Unpickler {
 
  private:
   [[noreturn]] void refuse(const std::string& global) const {
+    // torch.save(model) pickles the model's classes: say what to save instead
+    const bool model_class = global.rfind("torch.nn.modules.", 0) == 0 || global.rfind("timm.", 0) == 0 ||
+                             global.rfind("torchvision.", 0) == 0 || global.rfind("__main__.", 0) == 0;
     throw UserError(
         fmt::format("'{}': refuses to load the global '{}' (only tensors, storages and plain containers are "
-                    "read; nothing in a weights file is ever executed)",
-                    what_, shown(global)));
+                    "read; nothing in a weights file is ever executed){}",
+                    what_, shown(global),
+                    model_class ? "; this looks like a whole model saved with torch.save(model): save "
+                                  "model.state_dict() instead"
+                                : ""));
   }
   std::string_view take(uint64_t n) {
     if (n > data_.size() - pos_)

@@ -120,7 +120,7 @@ TaskSetup classification_validate_setup(const cli::Config& cfg, const engine::Ch
   const engine::CheckpointMeta none;
   const auto& m = meta ? *meta : none;
   std::string arch = cfg.model;
-  if (!m.arch.empty() && cfg.model == cli::Config{}.model) arch = m.arch;  // --model at its default: the checkpoint's
+  if (!m.arch.empty() && !cfg.model_named()) arch = m.arch;  // no --model: the checkpoint's
   const auto& defaults = model_zoo::model_defaults(arch);
   engine::DataOverrides o{cfg.in_chans, cfg.img_size, cfg.crop_pct, cfg.interpolation, cfg.crop_mode};
   if (!o.in_chans) o.in_chans = m.in_chans;
@@ -378,7 +378,7 @@ cli::Config with_model_defaults(const cli::Config& given, const std::string& arc
 
 TaskSetup create_validate_task(const cli::Config& cfg, const engine::CheckpointMeta* meta) {
   std::string arch = cfg.model;
-  if (meta && !meta->arch.empty() && cfg.model == cli::Config{}.model) {  // --model at its default: the checkpoint's
+  if (meta && !meta->arch.empty() && !cfg.model_named()) {  // no --model: the checkpoint's
     arch = meta->arch;
     if (!model_zoo::find_model(arch))  // not blamed on a --model the user never gave
       throw UserError(fmt::format("--checkpoint: metadata 'arch' is '{}', a model imgtrain does not know "

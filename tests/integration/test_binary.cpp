@@ -193,6 +193,11 @@ TEST_CASE("trains far above chance, validates, resumes at the next epoch, loads 
   expect_user_error(test::run(kBin + " train --device cpu --model resnet34 --data-dir " + data + " --resume " + run +
                               "/last.safetensors"),
                     "checkpoint is a resnet18, but --model is resnet34");
+  // validate takes the checkpoint's model only where no --model is given: --model resnet50 (the
+  // flag's default value, given) is validated as resnet50, which these weights do not fit.
+  expect_user_error(test::run(kBin + " validate --device cpu --model resnet50 --data-dir " + data + " --checkpoint " +
+                              run + "/last.safetensors"),
+                    "do not fit the model");
 }
 
 TEST_CASE("pretrained timm weights are found in the offline hub cache and adapted", "[integration]") {
@@ -342,6 +347,13 @@ TEST_CASE("user errors give one clear line and exit code 2", "[integration]") {
   expect_user_error(test::run(kBin + " pack --data-dir " + data + " --out " + (d / "s") + " --shard-size 3XB"),
                     "--shard-size");
   expect_user_error(test::run(kBin + " pack --data-dir " + (d / "nowhere") + " --out " + (d / "s")), "nowhere");
+  // shards are not written among the images they are made from
+  expect_user_error(test::run(kBin + " pack --data-dir " + data + " --out " + data), "the same folder as --data-dir");
+  expect_user_error(test::run(kBin + " pack --data-dir " + data + " --out " + data + "/train/../shards"),
+                    "is inside --data-dir");
+  // every command's unknown flag: the project's one line with a suggestion, not the parser's text
+  for (const char* cmd : {"export", "pack", "evaluate-coco", "coco-info"})
+    expect_user_error(test::run(kBin + " " + cmd + " --bogus"), "unknown flag '--bogus'");
   // A stray positional argument is refused, not silently dropped (the shard size here).
   expect_user_error(test::run(kBin + " pack --data-dir " + data + " --out " + (d / "s") + " --shard-size 1GB 500MB"),
                     "unexpected argument '500MB'");
@@ -647,6 +659,7 @@ TEST_CASE("resume is exact: 2 epochs straight equal 1 + resume + 1, and a mid-ep
   REQUIRE(r.code == 0);
   CHECK_THAT(r.output, Catch::Contains("Train: 1 [   9/10"));
   CHECK_THAT(r.output, !Catch::Contains("Train: 1 [   0/10"));
+  CHECK_THAT(r.output, Catch::Contains("/kept.safetensors' (epoch 1, after its update 8)"));
   expect_same_state(out / "straight/last.safetensors", out / "rec/last.safetensors");
   // epoch 1's summary row, train_loss included (the average over all 10 updates, not the last 1)
   const auto sa = test::read_csv(out / "straight/summary.csv"), sr = test::read_csv(out / "rec/summary.csv");
@@ -723,8 +736,9 @@ TEST_CASE("the CI benchmark job: a suite's records, and a staged slowdown fails 
   CHECK(r["samples_per_sec"].get<double>() > 0);
   CHECK(r["reference_samples_per_sec"].get<double>() > 0);
   for (auto k : {"ratio", "spread", "imgtrain_version", "git_commit", "torch_version", "device", "threads",
-                 "batch_size", "img_size"})
+                 "batch_size", "img_size", "mkl"})
     CHECK(r.contains(k));
+  CHECK_THAT(r.value("imgtrain_version", std::string()), Catch::StartsWith("imgtrain ") && !Catch::Contains("\n"));
   // the same numbers pass; staged 3x slower (IMGTRAIN_BENCH_SLOWDOWN=2) they fail, naming the entry
   auto same = test::run(tool + " compare " + (out / "base.json") + " " + (out / "base.json"));
   INFO(same.output);

@@ -254,6 +254,10 @@ TEST_CASE("globals other than the tensor and container ones are refused by name"
                           "eval\x94\x93\x94."),
              refused("builtins.eval"));
   CHECK_THAT(legacy_error(kProto + "(" + str("x") + "ios\nsystem\n."), refused("os.system"));
+  CHECK_THAT(legacy_error(kProto + "(" + str("x") + "ios\nsystem\n."), !Catch::Contains("state_dict()"));
+  // a whole model (torch.save(model)): its class is refused, with what to save instead
+  CHECK_THAT(legacy_error(kProto + global("timm.models.resnet", "ResNet") + ")\x81."),
+             refused("timm.models.resnet.ResNet") && Catch::Contains("save model.state_dict() instead"));
   CHECK_THAT(legacy_error(kProto + "\x82\x01."), Catch::Contains("extension registry, EXT1"));
   CHECK_THAT(legacy_error(kProto + global("torch._utils", "_rebuild_tensor_v3")),
              Catch::Contains("'torch._utils._rebuild_tensor_v3'"));
