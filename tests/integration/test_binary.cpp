@@ -215,6 +215,10 @@ TEST_CASE("pretrained timm weights are found in the offline hub cache and adapte
   expect_user_error(test::run("HF_HUB_CACHE=" + empty.path.string() + " " + kBin +
                               " validate --pretrained --model resnet18.tv_in1k --data-dir " + data + " --device cpu"),
                     "models--timm--resnet18.tv_in1k");
+  // a tag timm does not have for the model: said as such, not as a missing cache file
+  expect_user_error(test::run("HF_HUB_CACHE=" + empty.path.string() + " " + kBin +
+                              " validate --pretrained --model resnet18.nosuchtag --data-dir " + data + " --device cpu"),
+                    "'nosuchtag' is not one of timm's pretrained tags for resnet18 (a1_in1k, a2_in1k");
   // --pretrained-path with timm's file trains from it.
   test::TempDir out("pre");
   auto t = test::run(kBin + " train --pretrained-path " + hub +

@@ -20,6 +20,9 @@ import torch
 from timm.data import create_dataset, create_loader, resolve_data_config
 from timm.utils import AverageMeter, accuracy
 
+if len(sys.argv) < 2 or sys.argv[1] in ('-h', '--help'):
+    print(__doc__)
+    sys.exit(0 if len(sys.argv) > 1 else 2)
 if sys.argv[1] == 'make-weights':
     name, num_classes, st_out, pth_out = sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
     torch.manual_seed(0)

@@ -11,6 +11,9 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
+#include <fmt/ranges.h>
+
 #include <opencv2/core.hpp>
 
 namespace imgtrain::tasks {
@@ -130,6 +133,10 @@ void ClassificationTask::load_pretrained(torch::nn::Module& model) const {
     if (tag.empty()) {
       if (d.tags.empty()) throw UserError(fmt::format("--pretrained: timm has no pretrained weights for {}", arch));
       tag = d.tags.front();
+    } else if (!d.tags.empty() && std::find(d.tags.begin(), d.tags.end(), tag) == d.tags.end()) {
+      // timm: "Invalid pretrained tag (...) for ...", before any download
+      throw UserError(fmt::format("--pretrained: '{}' is not one of timm's pretrained tags for {} ({})", tag, arch,
+                                  fmt::join(d.tags, ", ")));
     }
     path = io::find_hub_weights(arch, tag);
   }
