@@ -193,6 +193,7 @@ ResumePoint resume(Run& r, const cli::Config& cfg, std::optional<Checkpoint> che
 
 int fit(const cli::Config& given_cfg, torch::Device device, dist::Context* ctx) {
   const int64_t rank = ctx ? ctx->rank() : 0, world = ctx ? ctx->world() : 1;
+  if (!given_cfg.experiment.empty()) checked_experiment(given_cfg.experiment);  // refused before any start-up line
   // with the model's own defaults and what the world size decides (args.yaml: not the latter)
   const cli::Config model_cfg = tasks::with_model_defaults(given_cfg);
   cli::Config cfg = model_cfg;

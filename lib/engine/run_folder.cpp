@@ -31,7 +31,6 @@ std::string default_experiment(const std::string& model, int64_t img_size) {
   return fmt::format("{}-{}-{}", buf, model, img_size);
 }
 
-namespace {
 // The run's folder is under --output: an --experiment may name a sub-folder ("ablation/lr0.1"), but
 // not climb out of it or replace it ("../x", "/abs", "", ".").
 const std::string& checked_experiment(const std::string& experiment) {
@@ -47,7 +46,6 @@ const std::string& checked_experiment(const std::string& experiment) {
                                 experiment));
   return experiment;
 }
-}  // namespace
 
 RunFolder::RunFolder(const std::string& output, const std::string& experiment, bool primary)
     : dir_((fs::path(output.empty() ? "./output/train" : output) / checked_experiment(experiment)).string()),

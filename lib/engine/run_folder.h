@@ -14,6 +14,8 @@ namespace imgtrain::engine {
 
 // timm's default experiment name: <YYYYmmdd-HHMMSS>-<model>-<img size>.
 std::string default_experiment(const std::string& model, int64_t img_size);
+// `experiment` itself, or UserError where it is not a folder name under --output ("../x", "/abs").
+const std::string& checked_experiment(const std::string& experiment);
 
 class RunFolder {
  public:

@@ -351,6 +351,10 @@ TEST_CASE("user errors give one clear line and exit code 2", "[integration]") {
   expect_user_error(test::run(kBin + " pack --data-dir " + data + " --out " + (d / "s") + " --shard-size 3XB"),
                     "--shard-size");
   expect_user_error(test::run(kBin + " pack --data-dir " + (d / "nowhere") + " --out " + (d / "s")), "nowhere");
+  // an --experiment that climbs out of --output: one line, before the model is built
+  expect_user_error(test::run(kBin + " train --device cpu --data-dir " + data + " --experiment ../escape --output " +
+                              (d / "o")),
+                    "--experiment '../escape': a folder name under --output");
   // shards are not written among the images they are made from
   expect_user_error(test::run(kBin + " pack --data-dir " + data + " --out " + data), "the same folder as --data-dir");
   expect_user_error(test::run(kBin + " pack --data-dir " + data + " --out " + data + "/train/../shards"),
