@@ -2,7 +2,6 @@
 
 #include "cli/config.h"
 #include "core/error.h"
-#include "core/registry.h"
 #include "data/coco_detection.h"
 #include "data/dataset.h"
 #include "data/shards.h"
@@ -56,17 +55,13 @@ std::optional<cxxopts::ParseResult> parse_command(cxxopts::Options& opts, const 
   std::vector<std::string> a = args;
   // An unknown flag: the line train's parser gives, with the closest of this command's flags.
   std::vector<std::string> known;
+  std::string short_flags;
   for (const auto& g : opts.groups())
-    for (const auto& o : opts.group_help(g).options)
+    for (const auto& o : opts.group_help(g).options) {
       for (const auto& l : o.l) known.push_back(l);
-  for (const auto& s : a) {
-    if (s.size() < 3 || s.rfind("--", 0) != 0) continue;
-    const std::string flag = s.substr(2, s.find('=') == std::string::npos ? std::string::npos : s.find('=') - 2);
-    if (std::find(known.begin(), known.end(), flag) != known.end()) continue;
-    const auto close = closest_names(flag, known, 1);
-    throw UserError(fmt::format("unknown flag '--{}' for imgtrain {}{}", flag, name,
-                                close.empty() ? std::string() : fmt::format(" (did you mean --{}?)", close[0])));
-  }
+      short_flags += o.s;
+    }
+  cli::refuse_unknown_flags(a, known, short_flags, std::string("imgtrain ") + name);
   std::vector<char*> argv{const_cast<char*>(name)};
   for (auto& s : a) argv.push_back(s.data());
   cxxopts::ParseResult r;

@@ -724,6 +724,23 @@ void apply_dist_url(Config& c) {
 
 }  // namespace
 
+void refuse_unknown_flags(const std::vector<std::string>& args, const std::vector<std::string>& known,
+                          const std::string& short_flags, const std::string& command) {
+  for (auto& a : args) {
+    if (a.size() < 2 || a[0] != '-' || std::isdigit(static_cast<unsigned char>(a[1])) || a[1] == '.') continue;
+    std::string flag = a.rfind("--", 0) == 0 ? a.substr(2, a.find('=') == std::string::npos ? std::string::npos
+                                                                                             : a.find('=') - 2)
+                                               : std::string();
+    if (a.rfind("--", 0) != 0) {  // short (possibly with the value attached)
+      if (short_flags.find(a[1]) != std::string::npos) continue;
+      flag = a.substr(1);
+    }
+    if (std::find(known.begin(), known.end(), flag) == known.end())
+      throw UserError(fmt::format("unknown flag '{}' for {} (did you mean --{}?)", a.substr(0, a.find('=')), command,
+                                  closest_names(flag, known, 1).at(0)));
+  }
+}
+
 namespace {
 const char* command_name(Command cmd) {
   return cmd == Command::Train ? "imgtrain train" : cmd == Command::Validate ? "imgtrain validate" : "imgtrain benchmark";
@@ -816,20 +833,7 @@ std::optional<Config> parse(Command cmd, const std::vector<std::string>& in_args
   std::vector<std::string> known{"config", "help"};
   for (auto& f : flags())
     if (f.cmds & bit) known.push_back(f.name);
-  for (auto& a : args) {
-    if (a.size() < 2 || a[0] != '-' || std::isdigit(static_cast<unsigned char>(a[1])) || a[1] == '.') continue;
-    std::string flag = a.rfind("--", 0) == 0 ? a.substr(2, a.find('=') == std::string::npos ? std::string::npos
-                                                                                             : a.find('=') - 2)
-                                               : std::string();
-    if (a.rfind("--", 0) != 0) {  // short: -b, -j, -c, -h (possibly with the value attached)
-      char ch = a[1];
-      if (ch == 'b' || ch == 'j' || ch == 'c' || ch == 'h') continue;
-      flag = a.substr(1);
-    }
-    if (std::find(known.begin(), known.end(), flag) == known.end())
-      throw UserError(fmt::format("unknown flag '{}' for {} (did you mean --{}?)", a.substr(0, a.find('=')), name,
-                                  closest_names(flag, known, 1).at(0)));
-  }
+  refuse_unknown_flags(args, known, "bjch", name);
   std::vector<char*> argv{const_cast<char*>(name)};
   for (auto& a : args) argv.push_back(a.data());
 

@@ -10,6 +10,12 @@
 
 namespace imgtrain::cli {
 
+// UserError "unknown flag '--x' for <command> (did you mean --y?)" for the first argument that is
+// neither one of the `known` long flags nor one of the `short_flags` letters (-b, -j, ...); values
+// such as -1 or -.5 are not flags.
+void refuse_unknown_flags(const std::vector<std::string>& args, const std::vector<std::string>& known,
+                          const std::string& short_flags, const std::string& command);
+
 struct Config {
   // model
   std::string model = "resnet50";
