@@ -131,6 +131,19 @@ at::Tensor trimmed_conv2d(const at::Tensor& x, const at::Tensor& w, const at::Te
   return at::conv2d(x, wc, b, stride, {pad[0], pad[1]}, dilation, groups);
 }
 
+at::Tensor pointwise_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, at::IntArrayRef stride,
+                          at::IntArrayRef padding, int64_t groups) {
+  if (!at::GradMode::is_enabled() || x.dim() != 4 || w.dim() != 4 || !x.device().is_cpu() ||
+      x.scalar_type() != at::kFloat || w.scalar_type() != at::kFloat || at::autocast::is_autocast_enabled(at::kCPU))
+    return {};
+  if (w.size(2) != 1 || w.size(3) != 1 || groups != 1 || w.size(1) != x.size(1) || stride.size() != 2 ||
+      padding.size() != 2 || stride[0] != 1 || stride[1] != 1 || padding[0] != 0 || padding[1] != 0)
+    return {};
+  if (x.size(2) * x.size(3) > kPointwiseGemmMaxPixels || !x.is_contiguous(at::MemoryFormat::ChannelsLast)) return {};
+  // [N, H, W, Cin] (a view: channels-last memory) times W^T: [N, H, W, Cout], seen as channels-last NCHW
+  return at::linear(x.permute({0, 2, 3, 1}), w.reshape({w.size(0), w.size(1)}), b).permute({0, 3, 1, 2});
+}
+
 namespace {
 // oneDNN's fused convolution ops (the ones torch.compile's CPU backend emits for conv + pointwise),
 // looked up once; absent from a LibTorch built without oneDNN, and then nothing is fused on the CPU.
@@ -187,6 +200,11 @@ at::Tensor conv_forward(torch::nn::Conv2dImpl& conv, ConvImpl* zconv, const at::
   if (std::holds_alternative<torch::ExpandingArray<2>>(o.padding()) &&
       std::holds_alternative<torch::enumtype::kZeros>(o.padding_mode())) {
     auto in = zconv ? zconv->pad_same(x) : x;
+    if (conv.is_training()) {  // eval keeps oneDNN's convolution, with or without autograd
+      auto y = pointwise_gemm(in, conv.weight, conv.bias, vec(o.stride()),
+                              vec(std::get<torch::ExpandingArray<2>>(o.padding())), o.groups());
+      if (y.defined()) return y;
+    }
     auto y = trimmed_conv2d(in, conv.weight, conv.bias, vec(o.stride()),
                             vec(std::get<torch::ExpandingArray<2>>(o.padding())), vec(o.dilation()), o.groups());
     if (y.defined()) return y;

@@ -60,6 +60,17 @@ TORCH_MODULE(Conv);
 at::Tensor trimmed_conv2d(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, at::IntArrayRef stride,
                           at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups);
 
+// A 1x1 convolution (stride 1, no padding, one group) in training (autograd on) over a channels-last
+// float32 CPU map of at most kPointwiseGemmMaxPixels pixels (14x14), as the matrix product it is:
+// at::linear over the [N, H, W, C] view (MKL's GEMM for the forward and both gradients), the output
+// a channels-last [N, Cout, H, W] view. On small maps the GEMM beat oneDNN's convolution, whose
+// weight reorders weigh more there (ResNet-50's last two stages, EfficientNet's and MobileNetV3's
+// last blocks: docs/performance.md "1x1 convolutions over small maps as GEMMs"). Undefined where
+// that does not apply. Float rounding differs from the convolution's (another summation order).
+constexpr int64_t kPointwiseGemmMaxPixels = 196;
+at::Tensor pointwise_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, at::IntArrayRef stride,
+                          at::IntArrayRef padding, int64_t groups);
+
 // A depthwise 5x5 or 7x7 convolution (zero padding, square stride and padding) in training with
 // autograd, through imgtrain's weight gradient (ops::depthwise_conv_train: ATen's took 4-20x longer
 // at EfficientNet's and ConvNeXt's shapes on the CPU; at 3x3 the two are level, so ATen's stays).
@@ -69,7 +80,8 @@ at::Tensor depthwise_train(torch::nn::Conv2dImpl& conv, const at::Tensor& x);
 // act(bn(conv(x)) + residual), the residual optional (undefined): the one call through which the
 // zoo's blocks run a convolution followed by BatchNorm. Normally exactly the modules in sequence
 // (bitwise what the separate calls give), except that a convolution with taps that meet only
-// padding runs trimmed (trimmed_conv2d). With inference fusion on (set_inference_fusion), in
+// padding runs trimmed (trimmed_conv2d) and, in training (the module in train mode, autograd on),
+// a 1x1 convolution over a small channels-last map runs as a GEMM (pointwise_gemm). With inference fusion on (set_inference_fusion), in
 // eval mode without autograd, on float32 inputs outside autocast, the BatchNorm is folded into
 // the convolution (w * g / sqrt(var + eps), b - mean * g / sqrt(var + eps)) and on the CPU the
 // bias, residual add and activation run as oneDNN post-ops of the convolution (torch.compile's

@@ -25,6 +25,7 @@
 #include <ATen/record_function.h>
 #include <torch/torch.h>
 
+#include <array>
 #include <cstdio>
 #include <sys/stat.h>
 #include <functional>
@@ -1715,6 +1716,60 @@ TEST_CASE("convolutions with taps on padding only run trimmed: same outputs and 
   auto y = model_zoo::trimmed_conv2d(x, w, {}, {2, 2}, {1, 1}, {1, 1}, 1);
   REQUIRE(y.defined());
   CHECK(torch::allclose(y, at::conv2d(x, w, {}, {2, 2}, {1, 1}), 1e-5, 1e-5));
+}
+
+TEST_CASE("1x1 convolutions over small channels-last maps run as GEMMs in training: same outputs and gradients", "[models]") {
+  // float32 (the only type it takes): outputs and the three gradients within rounding of
+  // at::conv2d's; the output is a channels-last view; and where it does not apply it says so
+  torch::manual_seed(5);
+  const auto cl = at::MemoryFormat::ChannelsLast;
+  for (const auto& [n, cin, cout, hw] : std::vector<std::array<int64_t, 4>>{{2, 16, 24, 7}, {3, 40, 8, 14}, {1, 8, 8, 1}}) {
+    INFO("n " << n << " cin " << cin << " cout " << cout << " map " << hw << "x" << hw);
+    auto x = torch::randn({n, cin, hw, hw}).contiguous(cl).requires_grad_();
+    auto w = torch::randn({cout, cin, 1, 1}).contiguous(cl).requires_grad_();
+    auto b = torch::randn({cout}).requires_grad_();
+    for (bool bias : {false, true}) {
+      const auto bb = bias ? b : at::Tensor();
+      auto y = model_zoo::pointwise_gemm(x, w, bb, {1, 1}, {0, 0}, 1);
+      REQUIRE(y.defined());
+      auto ref = at::conv2d(x, w, bb);
+      REQUIRE(y.sizes() == ref.sizes());
+      CHECK(y.is_contiguous(cl));
+      CHECK(torch::allclose(y, ref, 1e-4, 1e-4));
+      auto g = torch::randn_like(ref);
+      std::vector<at::Tensor> in = {x, w};
+      if (bias) in.push_back(b);
+      auto got = torch::autograd::grad({y}, in, {g});
+      auto want = torch::autograd::grad({ref}, in, {g});
+      for (size_t i = 0; i < in.size(); ++i) {
+        INFO("gradient " << i);
+        REQUIRE(got[i].sizes() == want[i].sizes());
+        CHECK(torch::allclose(got[i], want[i], 1e-4, 1e-3));
+      }
+    }
+  }
+  auto x = torch::randn({2, 16, 7, 7}).contiguous(cl);
+  auto w = torch::randn({8, 16, 1, 1}).contiguous(cl);
+  CHECK(model_zoo::pointwise_gemm(x, w, {}, {1, 1}, {0, 0}, 1).defined());
+  CHECK_FALSE(model_zoo::pointwise_gemm(torch::randn({2, 16, 15, 14}).contiguous(cl), w, {}, {1, 1}, {0, 0}, 1).defined());  // 210 pixels
+  CHECK_FALSE(model_zoo::pointwise_gemm(torch::randn({2, 16, 7, 7}), w, {}, {1, 1}, {0, 0}, 1).defined());  // NCHW
+  CHECK_FALSE(model_zoo::pointwise_gemm(x, w, {}, {2, 2}, {0, 0}, 1).defined());                            // stride 2
+  CHECK_FALSE(model_zoo::pointwise_gemm(x, torch::randn({8, 16, 3, 3}), {}, {1, 1}, {1, 1}, 1).defined());  // 3x3
+  CHECK_FALSE(model_zoo::pointwise_gemm(x.to(at::kDouble), w.to(at::kDouble), {}, {1, 1}, {0, 0}, 1).defined());
+  {
+    torch::NoGradGuard ng;  // inference keeps oneDNN's convolution
+    CHECK_FALSE(model_zoo::pointwise_gemm(x, w, {}, {1, 1}, {0, 0}, 1).defined());
+  }
+  // in a model: ResNet-50's training step at 224 px runs its last stages' 1x1 convolutions so
+  ModelArgs a;
+  a.num_classes = 10;
+  auto m = model_zoo::create_model("resnet50", a);
+  m->train();
+  engine::to_channels_last(*m);
+  const auto in = torch::randn({1, 3, 224, 224}).contiguous(cl);
+  // the features alone (no classifier's addmm): a GEMM among them is a 1x1 convolution's
+  const auto names = ops_called([&] { m->forward_features(in).sum().backward(); });
+  CHECK(names.count("aten::mm"));
 }
 
 TEST_CASE("CUDA: the fused training BatchNorm equals torch's ops on the device and gives the same bits every run",
