@@ -81,8 +81,8 @@ at::Tensor depthwise_train(torch::nn::Conv2dImpl& conv, const at::Tensor& x);
 // zoo's blocks run a convolution followed by BatchNorm. Normally exactly the modules in sequence
 // (bitwise what the separate calls give), except that a convolution with taps that meet only
 // padding runs trimmed (trimmed_conv2d) and, in training (the module in train mode, autograd on),
-// a 1x1 convolution over a small channels-last map runs as a GEMM (pointwise_gemm). With inference fusion on (set_inference_fusion), in
-// eval mode without autograd, on float32 inputs outside autocast, the BatchNorm is folded into
+// a 1x1 convolution over a small channels-last map runs as a GEMM (pointwise_gemm). With inference
+// fusion on (set_inference_fusion), in eval mode without autograd, on float32 inputs outside autocast, the BatchNorm is folded into
 // the convolution (w * g / sqrt(var + eps), b - mean * g / sqrt(var + eps)) and on the CPU the
 // bias, residual add and activation run as oneDNN post-ops of the convolution (torch.compile's
 // CPU fusions) with the weights laid out for oneDNN once: one pass over the output instead of
