@@ -194,19 +194,19 @@ bool fusable(const torch::nn::Conv2dImpl& conv, const imgtrain::BatchNorm2dImpl&
 
 std::vector<int64_t> vec(const torch::ExpandingArray<2>& a) { return {a->at(0), a->at(1)}; }
 
-// The module's convolution, trimmed (trimmed_conv2d) where that applies.
+// The module's convolution: in training a GEMM (pointwise_gemm), else trimmed (trimmed_conv2d) or
+// imgtrain's depthwise training path (depthwise_train), where one applies.
 at::Tensor conv_forward(torch::nn::Conv2dImpl& conv, ConvImpl* zconv, const at::Tensor& x) {
   const auto& o = conv.options;
   if (std::holds_alternative<torch::ExpandingArray<2>>(o.padding()) &&
       std::holds_alternative<torch::enumtype::kZeros>(o.padding_mode())) {
     auto in = zconv ? zconv->pad_same(x) : x;
+    const auto stride = vec(o.stride()), padding = vec(std::get<torch::ExpandingArray<2>>(o.padding()));
     if (conv.is_training()) {  // eval keeps oneDNN's convolution, with or without autograd
-      auto y = pointwise_gemm(in, conv.weight, conv.bias, vec(o.stride()),
-                              vec(std::get<torch::ExpandingArray<2>>(o.padding())), o.groups());
+      auto y = pointwise_gemm(in, conv.weight, conv.bias, stride, padding, o.groups());
       if (y.defined()) return y;
     }
-    auto y = trimmed_conv2d(in, conv.weight, conv.bias, vec(o.stride()),
-                            vec(std::get<torch::ExpandingArray<2>>(o.padding())), vec(o.dilation()), o.groups());
+    auto y = trimmed_conv2d(in, conv.weight, conv.bias, stride, padding, vec(o.dilation()), o.groups());
     if (y.defined()) return y;
     if (auto d = depthwise_train(conv, in); d.defined()) return d;
   }

@@ -82,12 +82,12 @@ at::Tensor depthwise_train(torch::nn::Conv2dImpl& conv, const at::Tensor& x);
 // (bitwise what the separate calls give), except that a convolution with taps that meet only
 // padding runs trimmed (trimmed_conv2d) and, in training (the module in train mode, autograd on),
 // a 1x1 convolution over a small channels-last map runs as a GEMM (pointwise_gemm). With inference
-// fusion on (set_inference_fusion), in eval mode without autograd, on float32 inputs outside autocast, the BatchNorm is folded into
-// the convolution (w * g / sqrt(var + eps), b - mean * g / sqrt(var + eps)) and on the CPU the
-// bias, residual add and activation run as oneDNN post-ops of the convolution (torch.compile's
-// CPU fusions) with the weights laid out for oneDNN once: one pass over the output instead of
-// three or four, and no weight reorder per call. Results then
-// differ from the unfused path by float rounding only (tests bound it). A residual handed over
+// fusion on (set_inference_fusion), in eval mode without autograd, on float32 inputs outside
+// autocast, the BatchNorm is folded into the convolution (w * g / sqrt(var + eps), b - mean * g /
+// sqrt(var + eps)) and on the CPU the bias, residual add and activation run as oneDNN post-ops of
+// the convolution (torch.compile's CPU fusions) with the weights laid out for oneDNN once: one pass
+// over the output instead of three or four, and no weight reorder per call. Results then differ
+// from the unfused path by float rounding only (tests bound it). A residual handed over
 // with std::move, that no other tensor or view shares, is summed into in place there (its memory
 // becomes the output): a block gives its shortcut away this way when nothing reads it after.
 at::Tensor conv_bn_act(torch::nn::Conv2dImpl& conv, imgtrain::BatchNorm2dImpl& bn, const at::Tensor& x,

@@ -1718,12 +1718,14 @@ TEST_CASE("convolutions with taps on padding only run trimmed: same outputs and 
   CHECK(torch::allclose(y, at::conv2d(x, w, {}, {2, 2}, {1, 1}), 1e-5, 1e-5));
 }
 
-TEST_CASE("1x1 convolutions over small channels-last maps run as GEMMs in training: same outputs and gradients", "[models]") {
+TEST_CASE("1x1 convolutions over small channels-last maps run as GEMMs in training: same outputs and gradients",
+          "[models]") {
   // float32 (the only type it takes): outputs and the three gradients within rounding of
   // at::conv2d's; the output is a channels-last view; and where it does not apply it says so
   torch::manual_seed(5);
   const auto cl = at::MemoryFormat::ChannelsLast;
-  for (const auto& [n, cin, cout, hw] : std::vector<std::array<int64_t, 4>>{{2, 16, 24, 7}, {3, 40, 8, 14}, {1, 8, 8, 1}}) {
+  const std::vector<std::array<int64_t, 4>> shapes{{2, 16, 24, 7}, {3, 40, 8, 14}, {1, 8, 8, 1}};
+  for (const auto& [n, cin, cout, hw] : shapes) {
     INFO("n " << n << " cin " << cin << " cout " << cout << " map " << hw << "x" << hw);
     auto x = torch::randn({n, cin, hw, hw}).contiguous(cl).requires_grad_();
     auto w = torch::randn({cout, cin, 1, 1}).contiguous(cl).requires_grad_();
@@ -1751,7 +1753,8 @@ TEST_CASE("1x1 convolutions over small channels-last maps run as GEMMs in traini
   auto x = torch::randn({2, 16, 7, 7}).contiguous(cl);
   auto w = torch::randn({8, 16, 1, 1}).contiguous(cl);
   CHECK(model_zoo::pointwise_gemm(x, w, {}, {1, 1}, {0, 0}, 1).defined());
-  CHECK_FALSE(model_zoo::pointwise_gemm(torch::randn({2, 16, 15, 14}).contiguous(cl), w, {}, {1, 1}, {0, 0}, 1).defined());  // 210 pixels
+  const auto x210 = torch::randn({2, 16, 15, 14}).contiguous(cl);  // 210 pixels
+  CHECK_FALSE(model_zoo::pointwise_gemm(x210, w, {}, {1, 1}, {0, 0}, 1).defined());
   CHECK_FALSE(model_zoo::pointwise_gemm(torch::randn({2, 16, 7, 7}), w, {}, {1, 1}, {0, 0}, 1).defined());  // NCHW
   CHECK_FALSE(model_zoo::pointwise_gemm(x, w, {}, {2, 2}, {0, 0}, 1).defined());                            // stride 2
   CHECK_FALSE(model_zoo::pointwise_gemm(x, torch::randn({8, 16, 3, 3}), {}, {1, 1}, {1, 1}, 1).defined());  // 3x3
