@@ -3,6 +3,7 @@
 #include "core/error.h"
 #include "model_zoo/layers/layers.h"
 #include "model_zoo/registry.h"
+#include "ops/attention.h"
 
 #include <algorithm>
 #include <cmath>
@@ -41,18 +42,25 @@ struct AttentionImpl : torch::nn::Module {
     qkv = register_module("qkv", Linear(dim, dim * 3));
     proj = register_module("proj", Linear(dim, dim));
   }
-  // residual defined (inference fusion): proj(o) + residual as one oneDNN call
+  // residual defined (inference fusion, no autograd): qkv through oneDNN with its packed weight (the
+  // bias inside the call: addmm copies it into the output first), imgtrain's attention kernel over
+  // qkv's output where the CPU has AVX-512 (ops/attention.h), and proj(o) + residual as one call
   at::Tensor forward(const at::Tensor& x, const at::Tensor& residual = {}) {
     const int64_t b = x.size(0), n = x.size(1), c = x.size(2);
-    auto qkv_ = linear(*qkv, x).reshape({b, n, 3, heads, c / heads}).permute({2, 0, 3, 1, 4});
-    // unbind, not three selects: its backward stacks the three gradients into one tensor, where each
-    // select's backward zero-fills a full-size gradient, copies into it and adds the three up
-    const auto parts = qkv_.unbind(0);
-    const auto &q = parts[0], &k = parts[1], &v = parts[2];
-    auto o = at::scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape({b, n, c});
-    return residual.defined() ? linear_add(o, proj->weight, proj->bias, residual, &proj_pack) : linear(*proj, o);
+    const bool fused = residual.defined();
+    auto t = fused ? linear_act(x, qkv->weight, qkv->bias, Act::Identity, &qkv_pack) : linear(*qkv, x);
+    at::Tensor o;
+    if (fused && ops::attention_infer_supported(t, heads)) {
+      o = ops::attention_infer(t, heads);
+    } else {
+      // unbind, not three selects: its backward stacks the three gradients into one tensor, where
+      // each select's backward zero-fills a full-size gradient, copies into it and adds the three up
+      const auto parts = t.reshape({b, n, 3, heads, c / heads}).permute({2, 0, 3, 1, 4}).unbind(0);
+      o = at::scaled_dot_product_attention(parts[0], parts[1], parts[2]).transpose(1, 2).reshape({b, n, c});
+    }
+    return fused ? linear_add(o, proj->weight, proj->bias, residual, &proj_pack) : linear(*proj, o);
   }
-  LinearPack proj_pack;
+  LinearPack proj_pack, qkv_pack;
 };
 TORCH_MODULE(Attention);
 

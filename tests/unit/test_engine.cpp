@@ -15,6 +15,7 @@
 #include "ops/norm_act.h"
 #include "ops/depthwise.h"
 #include "ops/mlp.h"
+#include "ops/attention.h"
 #include "ops/se_gate.h"
 #include "optim/optim.h"
 #include "core/rng.h"
@@ -907,6 +908,66 @@ TEST_CASE("inference fusion: BatchNorm folded into the convolutions equals the m
   }
 }
 
+// Whether this build and CPU run imgtrain's AVX-512 attention kernel (ops/attention.h).
+bool attention_kernel_expected() {
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
+#else
+  return false;
+#endif
+}
+
+TEST_CASE("the inference attention kernel equals scaled_dot_product_attention over qkv's output", "[ops]") {
+  torch::NoGradGuard ng;
+  const auto valid = torch::randn({2, 5, 3 * 64});
+  REQUIRE(ops::attention_infer_supported(valid, 1) == attention_kernel_expected());
+  if (!attention_kernel_expected()) return;  // elsewhere ViT keeps ATen's kernel (the model tests)
+  // ATen's kernel on the same qkv, as timm's Attention calls it
+  auto sdpa = [](const at::Tensor& qkv, int64_t heads) {
+    const int64_t b = qkv.size(0), n = qkv.size(1), c = qkv.size(2) / 3;
+    const auto p = qkv.reshape({b, n, 3, heads, c / heads}).permute({2, 0, 3, 1, 4}).unbind(0);
+    return at::scaled_dot_product_attention(p[0], p[1], p[2]).transpose(1, 2).reshape({b, n, c});
+  };
+  torch::manual_seed(3);
+  // token counts around the kernel's blocks: rows of 6, key panels of 64 and 16, value chunks of 64
+  for (int64_t n : {1, 5, 6, 16, 17, 50, 64, 65, 80, 197})
+    for (int64_t heads : {1, 3})
+      for (double sigma : {1.0, 4.0}) {  // 4: peaked rows, most probabilities far below the largest
+        INFO("tokens " << n << " heads " << heads << " sigma " << sigma);
+        const auto qkv = torch::randn({2, n, 3 * heads * 64}) * sigma;
+        REQUIRE(ops::attention_infer_supported(qkv, heads));
+        const auto got = ops::attention_infer(qkv, heads), want = sdpa(qkv, heads);
+        REQUIRE(got.sizes() == want.sizes());
+        CHECK(got.is_contiguous());
+        CHECK((got - want).abs().max().item<double>() <= 1e-5 * std::max(1.0, want.abs().max().item<double>()));
+      }
+  // each image and head on one thread: the same bits on one thread and on two
+  const auto qkv = torch::randn({4, 197, 3 * 6 * 64});
+  const int threads = at::get_num_threads();
+  at::set_num_threads(1);
+  const auto one = ops::attention_infer(qkv, 6);
+  at::set_num_threads(2);
+  const auto two = ops::attention_infer(qkv, 6);
+  at::set_num_threads(threads);
+  CHECK(torch::equal(one, two));
+  // a NaN in one query: that token's output is NaN in that head, as ATen's
+  auto bad = torch::randn({1, 20, 3 * 2 * 64});
+  bad[0][7][64 + 3] = std::nanf("");  // head 1's query of token 7
+  const auto nan_got = ops::attention_infer(bad, 2).isnan(), nan_want = sdpa(bad, 2).isnan();
+  CHECK(torch::equal(nan_got, nan_want));
+  CHECK(nan_got.sum().item<int64_t>() == 64);
+  // what it does not take: the caller keeps ATen's kernel
+  CHECK_FALSE(ops::attention_infer_supported(valid.to(at::kDouble), 1));
+  CHECK_FALSE(ops::attention_infer_supported(torch::randn({2, 3 * 64, 5}).transpose(1, 2), 1));  // strided
+  CHECK_FALSE(ops::attention_infer_supported(torch::randn({2, 5, 3 * 2 * 32}), 2));              // head size 32
+  CHECK_FALSE(ops::attention_infer_supported(valid, 2));
+  CHECK_FALSE(ops::attention_infer_supported(valid[0], 1));  // [N, 3C]
+  {
+    torch::AutoGradMode on(true);
+    CHECK_FALSE(ops::attention_infer_supported(valid.clone().requires_grad_(), 1));
+  }
+}
+
 TEST_CASE("inference fusion of ViT and ConvNeXt: GELU and residual adds as linear post-ops, equal within rounding",
           "[models]") {
   for (const char* name : {"vit_tiny_patch16_224", "convnext_tiny"}) {
@@ -932,6 +993,8 @@ TEST_CASE("inference fusion of ViT and ConvNeXt: GELU and residual adds as linea
     CHECK((y - ref).abs().max().item<double>() <= 1e-4 * scale);
     CHECK(names.count("mkldnn::_linear_pointwise"));  // the fused ops did run (their results may
     // equal ATen's to the bit: oneDNN's float32 GEMM and GELU can be the same arithmetic)
+    if (std::string(name) == "vit_tiny_patch16_224")
+      CHECK(names.count("imgtrain::attention_infer") == (attention_kernel_expected() ? 1u : 0u));
     {  // a forward that records autograd never fuses
       torch::AutoGradMode on(true);
       CHECK(torch::equal(m->forward(x), ref));
@@ -947,7 +1010,9 @@ TEST_CASE("inference fusion of ViT and ConvNeXt: GELU and residual adds as linea
     // weights changed in place between two forwards (an optimizer step between evaluations): the
     // folded copies follow
     for (auto& p : m->named_parameters())
-      if (p.key().find("gamma") != std::string::npos || p.key().find("fc2") != std::string::npos) p.value().mul_(0.7);
+      if (p.key().find("gamma") != std::string::npos || p.key().find("fc2") != std::string::npos ||
+          p.key().find("qkv") != std::string::npos)
+        p.value().mul_(0.7);
     set_inference_fusion(*m, false);
     const auto ref2 = m->forward(xl);
     set_inference_fusion(*m, true);

@@ -1,0 +1,23 @@
+// Multi-head self-attention for inference on the CPU, read straight from the qkv projection's
+// output (ViT's blocks): at::scaled_dot_product_attention's CPU kernel spends half its time outside
+// its GEMMs at ViT's short sequences (197 tokens, head size 64), this one keeps each head's scores,
+// keys and values in the core's caches and runs both products as register-blocked AVX-512 kernels.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+namespace imgtrain::ops {
+
+// Whether attention_infer applies: qkv float32 on the CPU, contiguous [B, N, 3 * heads * 64] (head
+// size 64: ViT-Ti/S/B), no gradient to record, a GCC x86-64 build and a CPU with AVX-512F and FMA.
+bool attention_infer_supported(const at::Tensor& qkv, int64_t heads);
+
+// qkv [B, N, 3C] as timm's Attention reshapes it (B, N, 3, heads, 64: q, k, v of head h at columns
+// h*64, C + h*64, 2C + h*64). Returns o [B, N, C], contiguous, o[b, :, h*64 : h*64+64] =
+// softmax(q k^T / 8) v for that image and head: scaled_dot_product_attention(q, k, v)
+// .transpose(1, 2).reshape(B, N, C) up to float rounding (sums in another order, exp by Cephes'
+// polynomial within ~1 ulp; the 1/8 folded into k is exact). Each (image, head) runs on one thread.
+at::Tensor attention_infer(const at::Tensor& qkv, int64_t heads);
+
+}  // namespace imgtrain::ops
