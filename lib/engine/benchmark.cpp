@@ -128,9 +128,14 @@ void report(int64_t steps, const std::string& prefix, nlohmann::ordered_json& re
   const std::string scope = "imgtrain::";
   std::vector<std::pair<std::string, Stat>> ops, phases;
   double all_self = 0;
+  // the phases are the step's three user scopes; imgtrain's own kernels (imgtrain::attention_infer,
+  // the optimizer steps) are ops like ATen's
+  auto is_phase = [&](const std::string& name) {
+    return name == scope + "forward" || name == scope + "backward" || name == scope + "optimizer";
+  };
   for (auto& [name, st] : stats) {
     all_self += st.self;
-    (name.rfind(scope, 0) == 0 ? phases : ops).emplace_back(name, st);
+    (is_phase(name) ? phases : ops).emplace_back(name, st);
   }
   const double per = 1000.0 / double(steps);
   std::string line = fmt::format("Profile of {} {} steps (host time per step, with the profiler's own cost):", steps,

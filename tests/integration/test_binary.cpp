@@ -410,6 +410,11 @@ TEST_CASE("benchmark prints timm's fields and writes the results file", "[integr
                       "--num-bench-iter 2 --device cpu --profile --opt-impl loop");
   INFO(pl.output);
   CHECK_THAT(pl.output, Catch::Contains("aten::convolution_backward") && !Catch::Contains("aten::_fused_sgd_"));
+  // imgtrain's own kernels are rows of the op list (not phases): RMSpropTF's single-pass step
+  auto pr = test::run(kBin + " benchmark --model resnet18 --bench train -b 2 --img-size 64 --num-warm-iter 1 " +
+                      "--num-bench-iter 2 --device cpu --profile --opt rmsproptf");
+  INFO(pr.output);
+  CHECK_THAT(pr.output, Catch::Contains("imgtrain::rmsprop_tf_step"));
   expect_user_error(test::run(kBin + " benchmark --bench data --profile --data-dir /nonexistent"), "--profile has no effect");
   // --cuda-graph: refused where it cannot hold, in one line
   expect_user_error(test::run(kBin + " benchmark --model resnet18 --cuda-graph --device cpu"),
