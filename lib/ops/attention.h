@@ -10,7 +10,9 @@
 namespace imgtrain::ops {
 
 // Whether attention_infer applies: qkv float32 on the CPU, contiguous [B, N, 3 * heads * 64] (head
-// size 64: ViT-Ti/S/B), no gradient to record, a GCC x86-64 build and a CPU with AVX-512F and FMA.
+// size 64: ViT-Ti/S/B) with 1 <= N <= 1024 (ViT at 224 px has 197 tokens, at 384 px 577; longer
+// sequences keep ATen's kernel, faster there), no gradient to record, a GCC x86-64 build and a CPU
+// with AVX-512F and FMA.
 bool attention_infer_supported(const at::Tensor& qkv, int64_t heads);
 
 // qkv [B, N, 3C] as timm's Attention reshapes it (B, N, 3, heads, 64: q, k, v of head h at columns

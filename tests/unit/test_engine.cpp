@@ -962,6 +962,8 @@ TEST_CASE("the inference attention kernel equals scaled_dot_product_attention ov
   CHECK_FALSE(ops::attention_infer_supported(torch::randn({2, 5, 3 * 2 * 32}), 2));              // head size 32
   CHECK_FALSE(ops::attention_infer_supported(valid, 2));
   CHECK_FALSE(ops::attention_infer_supported(valid[0], 1));  // [N, 3C]
+  CHECK(ops::attention_infer_supported(torch::randn({1, 1024, 3 * 64}), 1));
+  CHECK_FALSE(ops::attention_infer_supported(torch::randn({1, 1025, 3 * 64}), 1));  // ATen's, faster there
   {
     torch::AutoGradMode on(true);
     CHECK_FALSE(ops::attention_infer_supported(valid.clone().requires_grad_(), 1));
