@@ -35,7 +35,7 @@ using torch::nn::LayerNorm;
 using torch::nn::LayerNormOptions;
 using torch::nn::Linear;
 
-struct AttentionImpl : torch::nn::Module {
+struct AttentionImpl : torch::nn::Module, TrainingFusion {
   Linear qkv{nullptr}, proj{nullptr};
   int64_t heads;
   AttentionImpl(int64_t dim, int64_t heads_) : heads(heads_) {
@@ -52,6 +52,8 @@ struct AttentionImpl : torch::nn::Module {
     at::Tensor o;
     if (fused && ops::attention_infer_supported(t, heads)) {
       o = ops::attention_infer(t, heads);
+    } else if (fuse_train && is_training() && at::GradMode::is_enabled() && ops::attention_train_supported(t, heads)) {
+      o = ops::attention_train(t, heads);  // training fusion: the same kernels with their backward
     } else {
       // unbind, not three selects: its backward stacks the three gradients into one tensor, where
       // each select's backward zero-fills a full-size gradient, copies into it and adds the three up
@@ -206,8 +208,10 @@ class VisionTransformerImpl : public ClassifierImpl {
 
 void register_vit(Registry<ModelEntry>& r) {
   for (auto& s : specs()) {
-    r.add(s.name, ModelEntry{[&s](const ModelArgs& a) -> Model { return std::make_shared<VisionTransformerImpl>(s, a); },
-                             timm_defaults(s.name)});
+    ModelEntry e{[&s](const ModelArgs& a) -> Model { return std::make_shared<VisionTransformerImpl>(s, a); },
+                 timm_defaults(s.name)};
+    e.cpu_training_fused = true;  // attention as imgtrain's kernels in training (docs/performance.md)
+    r.add(s.name, std::move(e));
   }
 }
 

@@ -4,6 +4,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/record_function.h>
 #include <c10/core/GradMode.h>
+#include <torch/autograd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -120,24 +121,25 @@ IMGTRAIN_ATTN_AI void scores_block(const float* q, int64_t ldq, const float* kt,
   }
 }
 
-// o[r][0..64) (row stride ldo) += p[r][0..nj) v[0..nj)[0..64) for R rows (p row stride ldp, v rows
-// of 64): from zero where First, times inv[r] where Last.
-template <int R, bool First, bool Last>
-IMGTRAIN_ATTN_AI void values_block(const float* p, int64_t ldp, const float* v, int64_t nj, float* o, int64_t ldo,
-                              const float* inv) {
+// o[r][0..64) (row stride ldo) += sum over j < nj of p(r, j) v[j][0..64) for R rows, p(r, j) =
+// p[r * ldp + j], or p[j * ldp + r] where Trans (the rows of a transposed matrix: P^T dO, dS^T Q),
+// v rows of 64 with stride ldv: from zero where First, each row times mul[r] where Last.
+template <int R, bool Trans, bool First, bool Last>
+IMGTRAIN_ATTN_AI void values_block(const float* p, int64_t ldp, const float* v, int64_t ldv, int64_t nj, float* o,
+                                   int64_t ldo, const float* mul) {
   __m512 acc[R][4];
   IMGTRAIN_ATTN_UNROLL for (int r = 0; r < R; ++r) IMGTRAIN_ATTN_UNROLL for (int c = 0; c < 4; ++c)
     acc[r][c] = First ? _mm512_setzero_ps() : _mm512_loadu_ps(o + r * ldo + 16 * c);
   for (int64_t j = 0; j < nj; ++j) {
     __m512 b[4];
-    IMGTRAIN_ATTN_UNROLL for (int c = 0; c < 4; ++c) b[c] = _mm512_loadu_ps(v + j * kHead + 16 * c);
+    IMGTRAIN_ATTN_UNROLL for (int c = 0; c < 4; ++c) b[c] = _mm512_loadu_ps(v + j * ldv + 16 * c);
     IMGTRAIN_ATTN_UNROLL for (int r = 0; r < R; ++r) {
-      const __m512 a = _mm512_set1_ps(p[r * ldp + j]);
+      const __m512 a = _mm512_set1_ps(Trans ? p[j * ldp + r] : p[r * ldp + j]);
       IMGTRAIN_ATTN_UNROLL for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_fmadd_ps(a, b[c], acc[r][c]);
     }
   }
   IMGTRAIN_ATTN_UNROLL for (int r = 0; r < R; ++r) {
-    const __m512 sc = _mm512_set1_ps(Last ? inv[r] : 1.0f);
+    const __m512 sc = _mm512_set1_ps(Last ? mul[r] : 1.0f);
     IMGTRAIN_ATTN_UNROLL for (int c = 0; c < 4; ++c)
       _mm512_storeu_ps(o + r * ldo + 16 * c, Last ? _mm512_mul_ps(acc[r][c], sc) : acc[r][c]);
   }
@@ -158,53 +160,93 @@ IMGTRAIN_ATTN_AI void row_blocks(int64_t n, F&& f) {
   }
 }
 
-// Scratch floats for one head of n tokens.
-int64_t scratch_size(int64_t n) {
-  const int64_t np = (n + 15) / 16 * 16;
-  return kHead * np + n * np + n * kHead + 2 * n;
-}
+int64_t padded(int64_t n) { return (n + 15) / 16 * 16; }
 
-// One image and head: q, k, v rows of 64 with row stride ld, n tokens; out rows of 64 with stride
-// ldo. Keys scaled and transposed into panels of 64 columns (the last ones 16), kHead x 64 floats
-// each (16 KB: one panel stays in L1 while every query row meets it); the scores [n, np] (np: n to
-// a multiple of 16), their row maxima taken as they are stored; exp in place and the row sums; then
-// the values (copied to rows of 64) in chunks of kVChunk rows against every row of probabilities,
-// the division by the row sum on the last chunk.
-void attend_head(const float* q, const float* k, const float* v, int64_t ld, int64_t n, float scale, float* out,
-                 int64_t ldo, float* ws) {
-  const int64_t np = (n + 15) / 16 * 16;
-  float *kt = ws, *s = kt + kHead * np, *vb = s + n * np, *rmax = vb + n * kHead, *inv = rmax + n;
+// Rows src[0..n) of 64 (stride ld) times `scale`, transposed into panels of 64 columns (the last
+// ones 16) of kHead rows each: dst[p0 * kHead + d * w + (j - p0)] = scale * src[j][d] for j in the
+// panel [p0, p0 + w), zero for n <= j < padded(n). A panel of 64 is 16 KB, which stays in L1 while
+// every row of the other operand meets it.
+void transpose_panels(const float* src, int64_t ld, int64_t n, float scale, float* dst) {
+  const int64_t np = padded(n);
   const __m512 vscale = _mm512_set1_ps(scale);
   for (int64_t j0 = 0; j0 < np; j0 += 16) {
     const bool wide = j0 / 64 * 64 + 64 <= np;  // inside a panel of 64 keys, else one of 16
     const int64_t p0 = wide ? j0 / 64 * 64 : j0, w = wide ? 64 : 16;
-    float* dst = kt + p0 * kHead + (j0 - p0);
+    float* out = dst + p0 * kHead + (j0 - p0);
     const int64_t rows = std::min<int64_t>(16, n - j0);
     IMGTRAIN_ATTN_UNROLL for (int64_t dc = 0; dc < kHead; dc += 16) {
       __m512 r[16];
       IMGTRAIN_ATTN_UNROLL for (int i = 0; i < 16; ++i)
-        r[i] = i < rows ? _mm512_mul_ps(_mm512_loadu_ps(k + (j0 + i) * ld + dc), vscale) : _mm512_setzero_ps();
+        r[i] = i < rows ? _mm512_mul_ps(_mm512_loadu_ps(src + (j0 + i) * ld + dc), vscale) : _mm512_setzero_ps();
       transpose16(r);
-      IMGTRAIN_ATTN_UNROLL for (int i = 0; i < 16; ++i) _mm512_storeu_ps(dst + (dc + i) * w, r[i]);
+      IMGTRAIN_ATTN_UNROLL for (int i = 0; i < 16; ++i) _mm512_storeu_ps(out + (dc + i) * w, r[i]);
     }
   }
-  for (int64_t j = 0; j < n; ++j)
-    IMGTRAIN_ATTN_UNROLL for (int64_t d = 0; d < kHead; d += 16)
-      _mm512_storeu_ps(vb + j * kHead + d, _mm512_loadu_ps(v + j * ld + d));
+}
+
+// s[i][0..np) = a[i] . bt panels (a: n rows of 64, stride lda; bt from transpose_panels) for i < n;
+// rmax[i] = the row's largest of its first n values.
+void scores(const float* a, int64_t lda, const float* bt, int64_t n, float* s, float* rmax) {
+  const int64_t np = padded(n);
   std::fill(rmax, rmax + n, -INFINITY);
   int64_t j0 = 0;
   for (; j0 + 64 <= np; j0 += 64)
     row_blocks(n, [&](auto R, int64_t i) {
-      scores_block<R(), 4, false>(q + i * ld, ld, kt + j0 * kHead, s + i * np + j0, np, rmax + i, 0);
+      scores_block<R(), 4, false>(a + i * lda, lda, bt + j0 * kHead, s + i * np + j0, np, rmax + i, 0);
     });
   const __mmask16 tail = n % 16 ? __mmask16((1u << (n % 16)) - 1) : __mmask16(0xffff);
   for (; j0 < np; j0 += 16) {
     const __mmask16 valid = j0 + 16 >= np ? tail : __mmask16(0xffff);
     row_blocks(n, [&](auto R, int64_t i) {
-      scores_block<R(), 1, true>(q + i * ld, ld, kt + j0 * kHead, s + i * np + j0, np, rmax + i, valid);
+      scores_block<R(), 1, true>(a + i * lda, lda, bt + j0 * kHead, s + i * np + j0, np, rmax + i, valid);
     });
   }
+}
+
+// out[r] (rows of 64, stride ldo) = mul[r] * sum over j < n of p(r, j) v[j] for r < n (values_block;
+// p row stride ldp), the sum over j in chunks of kVChunk rows of v (16 KB, in L1).
+template <bool Trans>
+void products(const float* p, int64_t ldp, const float* v, int64_t ldv, int64_t n, float* out, int64_t ldo,
+              const float* mul) {
+  for (int64_t jc = 0; jc < n; jc += kVChunk) {
+    const int64_t nj = std::min(kVChunk, n - jc);
+    const float* pc = p + (Trans ? jc * ldp : jc);
+    const float* vc = v + jc * ldv;
+    const bool first = jc == 0, last = jc + kVChunk >= n;
+    row_blocks(n, [&](auto R, int64_t i) {
+      constexpr int Rn = R();
+      float* o = out + i * ldo;
+      const float* pi = pc + (Trans ? i : i * ldp);
+      if (first && last) values_block<Rn, Trans, true, true>(pi, ldp, vc, ldv, nj, o, ldo, mul + i);
+      else if (first) values_block<Rn, Trans, true, false>(pi, ldp, vc, ldv, nj, o, ldo, mul + i);
+      else if (last) values_block<Rn, Trans, false, true>(pi, ldp, vc, ldv, nj, o, ldo, mul + i);
+      else values_block<Rn, Trans, false, false>(pi, ldp, vc, ldv, nj, o, ldo, mul + i);
+    });
+  }
+}
+
+// Scratch floats for one head of n tokens (forward and backward).
+int64_t scratch_size(int64_t n) {
+  const int64_t np = padded(n);
+  return 2 * kHead * np + 2 * n * np + n * kHead + 3 * n;
+}
+
+// One image and head: q, k, v rows of 64 with row stride ld, n tokens; out rows of 64 with stride
+// ldo; lse (if not null) the row's log-sum-exp of the scaled scores, for the backward. The keys
+// scaled and transposed into panels; the scores [n, np] (np: n to a multiple of 16) with their row
+// maxima taken as they are stored; exp in place and the row sums; then the values (copied to rows
+// of 64) against every row of probabilities, the division by the row sum at the end.
+void attend_head(const float* q, const float* k, const float* v, int64_t ld, int64_t n, float scale, float* out,
+                 int64_t ldo, float* lse, float* ws) {
+  const int64_t np = padded(n);
+  float *kt = ws, *s = kt + kHead * np, *vb = s + n * np, *rmax = vb + n * kHead, *inv = rmax + n;
+  transpose_panels(k, ld, n, scale, kt);
+  for (int64_t j = 0; j < n; ++j)
+    IMGTRAIN_ATTN_UNROLL for (int64_t d = 0; d < kHead; d += 16)
+      _mm512_storeu_ps(vb + j * kHead + d, _mm512_loadu_ps(v + j * ld + d));
+  scores(q, ld, kt, n, s, rmax);
   const int64_t nfull = n - n % 16;
+  const __mmask16 tail = n % 16 ? __mmask16((1u << (n % 16)) - 1) : __mmask16(0xffff);
   for (int64_t r = 0; r < n; ++r) {
     float* row = s + r * np;
     const __m512 m = _mm512_set1_ps(rmax[r]);
@@ -219,23 +261,51 @@ void attend_head(const float* q, const float* k, const float* v, int64_t ld, int
       _mm512_storeu_ps(row + nfull, e);
       sum = _mm512_add_ps(sum, e);
     }
-    inv[r] = 1.0f / _mm512_reduce_add_ps(sum);
+    const float total = _mm512_reduce_add_ps(sum);
+    inv[r] = 1.0f / total;
+    if (lse) lse[r] = rmax[r] + std::log(total);
   }
-  for (int64_t jc = 0; jc < n; jc += kVChunk) {
-    const int64_t nj = std::min(kVChunk, n - jc);
-    const float* p = s + jc;
-    const float* vc = vb + jc * kHead;
-    const bool first = jc == 0, last = jc + kVChunk >= n;
-    row_blocks(n, [&](auto R, int64_t i) {
-      constexpr int Rn = R();
-      float* o = out + i * ldo;
-      const float* pi = p + i * np;
-      if (first && last) values_block<Rn, true, true>(pi, np, vc, nj, o, ldo, inv + i);
-      else if (first) values_block<Rn, true, false>(pi, np, vc, nj, o, ldo, inv + i);
-      else if (last) values_block<Rn, false, true>(pi, np, vc, nj, o, ldo, inv + i);
-      else values_block<Rn, false, false>(pi, np, vc, nj, o, ldo, inv + i);
-    });
+  products<false>(s, np, vb, kHead, n, out, ldo, inv);
+}
+
+// The gradients of one head (flash attention's backward, the probabilities recomputed from lse):
+// P = exp(scale q k^T - lse), dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(dO * O)),
+// dQ = scale dS K, dK = scale dS^T Q. q, k, v and dq, dk, dv rows of 64 with stride ld; o and go
+// (the output and its gradient) with stride ldo.
+void attend_head_backward(const float* q, const float* k, const float* v, int64_t ld, const float* o,
+                          const float* go, int64_t ldo, const float* lse, int64_t n, float scale, float* dq,
+                          float* dk, float* dv, float* ws) {
+  const int64_t np = padded(n);
+  float *kt = ws, *vt = kt + kHead * np, *p = vt + kHead * np, *ds = p + n * np, *kb = ds + n * np;
+  float *rmax = kb + n * kHead, *delta = rmax + n, *mul = delta + n;
+  transpose_panels(k, ld, n, scale, kt);
+  transpose_panels(v, ld, n, 1.0f, vt);
+  for (int64_t j = 0; j < n; ++j)
+    IMGTRAIN_ATTN_UNROLL for (int64_t d = 0; d < kHead; d += 16)
+      _mm512_storeu_ps(kb + j * kHead + d, _mm512_loadu_ps(k + j * ld + d));
+  scores(q, ld, kt, n, p, rmax);   // scale q k^T
+  scores(go, ldo, vt, n, ds, rmax);  // dO V^T
+  const int64_t nfull = n - n % 16;
+  const __mmask16 tail = n % 16 ? __mmask16((1u << (n % 16)) - 1) : __mmask16(0xffff);
+  for (int64_t r = 0; r < n; ++r) {
+    __m512 dot = _mm512_setzero_ps();
+    IMGTRAIN_ATTN_UNROLL for (int64_t d = 0; d < kHead; d += 16)
+      dot = _mm512_fmadd_ps(_mm512_loadu_ps(go + r * ldo + d), _mm512_loadu_ps(o + r * ldo + d), dot);
+    const __m512 dl = _mm512_set1_ps(_mm512_reduce_add_ps(dot)), l = _mm512_set1_ps(lse[r]);
+    float *pr = p + r * np, *dr = ds + r * np;
+    auto step = [&](int64_t j, __mmask16 keep) {
+      const __m512 e = _mm512_maskz_mov_ps(keep, exp16(_mm512_sub_ps(_mm512_loadu_ps(pr + j), l)));
+      _mm512_storeu_ps(pr + j, e);
+      _mm512_storeu_ps(dr + j, _mm512_mul_ps(e, _mm512_sub_ps(_mm512_loadu_ps(dr + j), dl)));
+    };
+    for (int64_t j = 0; j < nfull; j += 16) step(j, __mmask16(0xffff));
+    if (n % 16) step(nfull, tail);
+    mul[r] = scale;
   }
+  std::fill(rmax, rmax + n, 1.0f);
+  products<true>(p, np, go, ldo, n, dv, ld, rmax);  // dV = P^T dO
+  products<false>(ds, np, kb, kHead, n, dq, ld, mul);  // dQ = scale dS K
+  products<true>(ds, np, q, ld, n, dk, ld, mul);  // dK = scale dS^T Q
 }
 #undef IMGTRAIN_ATTN_AI
 #undef IMGTRAIN_ATTN_UNROLL
@@ -249,10 +319,11 @@ bool cpu_has_avx512() {
 
 }  // namespace
 
-bool attention_infer_supported(const at::Tensor& qkv, int64_t heads) {
+namespace {
+// The shape, type and CPU conditions both entry points share.
+bool attention_applies(const at::Tensor& qkv, int64_t heads) {
 #ifdef IMGTRAIN_ATTENTION_AVX512
   if (!cpu_has_avx512()) return false;
-  if (c10::GradMode::is_enabled() && qkv.requires_grad()) return false;
   return qkv.defined() && qkv.device().is_cpu() && qkv.scalar_type() == at::kFloat && qkv.dim() == 3 &&
          qkv.is_contiguous() && heads > 0 && qkv.size(2) == 3 * heads * kHead && qkv.size(1) > 0 &&
          qkv.size(1) <= kMaxTokens;
@@ -263,25 +334,86 @@ bool attention_infer_supported(const at::Tensor& qkv, int64_t heads) {
 #endif
 }
 
-at::Tensor attention_infer(const at::Tensor& qkv, int64_t heads) {
-  TORCH_CHECK(attention_infer_supported(qkv, heads), "attention_infer: unsupported input");
+// The forward over every image and head; lse [B, heads, N] when defined.
+at::Tensor run_forward(const at::Tensor& qkv, int64_t heads, const at::Tensor& lse) {
   const int64_t b = qkv.size(0), n = qkv.size(1), c = heads * kHead, ld = 3 * c;
   auto out = at::empty({b, n, c}, qkv.options());
-  RECORD_FUNCTION("imgtrain::attention_infer", std::vector<c10::IValue>());  // a row in --profile
 #ifdef IMGTRAIN_ATTENTION_AVX512
   const float* src = qkv.const_data_ptr<float>();
   float* dst = out.mutable_data_ptr<float>();
+  float* l = lse.defined() ? lse.mutable_data_ptr<float>() : nullptr;
   const float scale = 1.0f / std::sqrt(float(kHead));
   at::parallel_for(0, b * heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> ws(size_t(scratch_size(n)));
     for (int64_t t = begin; t < end; ++t) {
       const int64_t img = t / heads, h = t % heads;
       const float* base = src + img * n * ld + h * kHead;
-      attend_head(base, base + c, base + 2 * c, ld, n, scale, dst + img * n * c + h * kHead, c, ws.data());
+      attend_head(base, base + c, base + 2 * c, ld, n, scale, dst + img * n * c + h * kHead, c,
+                  l ? l + t * n : nullptr, ws.data());
     }
   });
 #endif
   return out;
+}
+
+// Training: the output and, in backward, the gradient of qkv (its layout); saves qkv, the output
+// (proj's input, saved by proj anyway) and the log-sum-exp per row, as ATen's flash kernel does.
+struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& qkv, int64_t heads) {
+    RECORD_FUNCTION("imgtrain::attention_forward", std::vector<c10::IValue>());
+    auto lse = at::empty({qkv.size(0), heads, qkv.size(1)}, qkv.options());
+    auto out = run_forward(qkv, heads, lse);
+    ctx->save_for_backward({qkv, out, lse});
+    ctx->saved_data["heads"] = heads;
+    return out;
+  }
+  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
+                                               torch::autograd::tensor_list grads) {
+    RECORD_FUNCTION("imgtrain::attention_backward", std::vector<c10::IValue>());
+    const auto saved = ctx->get_saved_variables();
+    const auto &qkv = saved[0], &out = saved[1], &lse = saved[2];
+    const int64_t heads = ctx->saved_data["heads"].toInt();
+    const auto go = grads[0].contiguous();
+    auto dqkv = at::empty_like(qkv);
+#ifdef IMGTRAIN_ATTENTION_AVX512
+    const int64_t b = qkv.size(0), n = qkv.size(1), c = heads * kHead, ld = 3 * c;
+    const float *src = qkv.const_data_ptr<float>(), *o = out.const_data_ptr<float>();
+    const float *g = go.const_data_ptr<float>(), *l = lse.const_data_ptr<float>();
+    float* dst = dqkv.mutable_data_ptr<float>();
+    const float scale = 1.0f / std::sqrt(float(kHead));
+    at::parallel_for(0, b * heads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> ws(size_t(scratch_size(n)));
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t img = t / heads, h = t % heads;
+        const int64_t in_off = img * n * ld + h * kHead, out_off = img * n * c + h * kHead;
+        const float* base = src + in_off;
+        float* d = dst + in_off;
+        attend_head_backward(base, base + c, base + 2 * c, ld, o + out_off, g + out_off, c, l + t * n, n, scale, d,
+                             d + c, d + 2 * c, ws.data());
+      }
+    });
+#endif
+    return {dqkv, at::Tensor()};
+  }
+};
+}  // namespace
+
+bool attention_infer_supported(const at::Tensor& qkv, int64_t heads) {
+  if (c10::GradMode::is_enabled() && qkv.defined() && qkv.requires_grad()) return false;
+  return attention_applies(qkv, heads);
+}
+
+at::Tensor attention_infer(const at::Tensor& qkv, int64_t heads) {
+  TORCH_CHECK(attention_infer_supported(qkv, heads), "attention_infer: unsupported input");
+  RECORD_FUNCTION("imgtrain::attention_infer", std::vector<c10::IValue>());  // a row in --profile
+  return run_forward(qkv, heads, at::Tensor());
+}
+
+bool attention_train_supported(const at::Tensor& qkv, int64_t heads) { return attention_applies(qkv, heads); }
+
+at::Tensor attention_train(const at::Tensor& qkv, int64_t heads) {
+  TORCH_CHECK(attention_train_supported(qkv, heads), "attention_train: unsupported input");
+  return AttentionFunction::apply(qkv, heads);
 }
 
 }  // namespace imgtrain::ops

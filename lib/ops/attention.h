@@ -22,4 +22,13 @@ bool attention_infer_supported(const at::Tensor& qkv, int64_t heads);
 // polynomial within ~1 ulp; the 1/8 folded into k is exact). Each (image, head) runs on one thread.
 at::Tensor attention_infer(const at::Tensor& qkv, int64_t heads);
 
+// Training (an autograd function): the same output, and in backward the gradient of qkv in its
+// layout, computed per image and head on one thread as flash attention's backward does (the
+// probabilities recomputed from the saved log-sum-exp of each row: P = exp(q k^T / 8 - lse),
+// dV = P^T dO, dS = P * (dO V^T - rowsum(dO * O)), dQ = dS K / 8, dK = dS^T Q / 8), the products as
+// the forward's kernels. Equal to scaled_dot_product_attention's gradients up to float rounding; the
+// same bits for any thread count. The conditions of attention_infer_supported but for the gradient.
+bool attention_train_supported(const at::Tensor& qkv, int64_t heads);
+at::Tensor attention_train(const at::Tensor& qkv, int64_t heads);
+
 }  // namespace imgtrain::ops

@@ -970,6 +970,83 @@ TEST_CASE("the inference attention kernel equals scaled_dot_product_attention ov
   }
 }
 
+TEST_CASE("the training attention kernel's output and qkv gradient equal scaled_dot_product_attention's", "[ops]") {
+  const auto probe = torch::randn({1, 5, 3 * 64}).requires_grad_();
+  REQUIRE(ops::attention_train_supported(probe, 1) == attention_kernel_expected());
+  if (!attention_kernel_expected()) return;
+  torch::manual_seed(5);
+  auto grads = [](const at::Tensor& qkv0, int64_t heads, bool ours, const at::Tensor& go) {
+    auto qkv = qkv0.clone().requires_grad_();
+    at::Tensor o;
+    if (ours) {
+      o = ops::attention_train(qkv, heads);
+    } else {
+      const int64_t b = qkv.size(0), n = qkv.size(1), c = qkv.size(2) / 3;
+      const auto p = qkv.reshape({b, n, 3, heads, c / heads}).permute({2, 0, 3, 1, 4}).unbind(0);
+      o = at::scaled_dot_product_attention(p[0], p[1], p[2]).transpose(1, 2).reshape({b, n, c});
+    }
+    o.backward(go);
+    return std::make_pair(o.detach(), qkv.grad());
+  };
+  for (int64_t n : {1, 5, 17, 64, 65, 197})
+    for (double sigma : {1.0, 3.0}) {
+      INFO("tokens " << n << " sigma " << sigma);
+      const auto qkv = torch::randn({2, n, 3 * 2 * 64}) * sigma, go = torch::randn({2, n, 2 * 64});
+      const auto [o1, g1] = grads(qkv, 2, true, go);
+      const auto [o2, g2] = grads(qkv, 2, false, go);
+      CHECK((o1 - o2).abs().max().item<double>() <= 1e-5 * std::max(1.0, o2.abs().max().item<double>()));
+      REQUIRE(g1.sizes() == g2.sizes());
+      const double gscale = std::max(1.0, g2.abs().max().item<double>());
+      for (int part = 0; part < 3; ++part) {  // q, k and v's gradients
+        INFO("part " << part);
+        const auto a = g1.slice(2, part * 128, (part + 1) * 128), b = g2.slice(2, part * 128, (part + 1) * 128);
+        CHECK((a - b).abs().max().item<double>() <= 2e-5 * gscale);
+      }
+    }
+  // the same bits on one thread and on two
+  const auto qkv = torch::randn({2, 50, 3 * 6 * 64}), go = torch::randn({2, 50, 6 * 64});
+  const int threads = at::get_num_threads();
+  at::set_num_threads(1);
+  const auto one = grads(qkv, 6, true, go).second;
+  at::set_num_threads(2);
+  const auto two = grads(qkv, 6, true, go).second;
+  at::set_num_threads(threads);
+  CHECK(torch::equal(one, two));
+}
+
+TEST_CASE("ViT's training step with its attention kernels equals the modules' within float rounding", "[models]") {
+  auto run = [](bool fuse, std::set<std::string>* names) {
+    torch::manual_seed(6);
+    ModelArgs a;
+    a.num_classes = 5;
+    a.img_size = 64;  // 17 tokens
+    auto m = model_zoo::create_model("vit_tiny_patch16_224", a);
+    set_training_fusion(*m, fuse);
+    m->train();
+    const auto x = torch::randn({2, 3, 64, 64});
+    at::Tensor y;
+    auto step = [&] {
+      y = m->forward(x);
+      torch::nn::functional::cross_entropy(y, torch::tensor({1, 3})).backward();
+    };
+    if (names) *names = ops_called(step);
+    else step();
+    std::vector<std::pair<std::string, at::Tensor>> out{{"logits", y.detach()}};
+    for (auto& p : m->named_parameters()) out.emplace_back("grad " + p.key(), p.value().grad());
+    return out;
+  };
+  std::set<std::string> names;
+  const auto ref = run(false, nullptr), fused = run(true, &names);
+  CHECK(names.count("imgtrain::attention_forward") == (attention_kernel_expected() ? 1u : 0u));
+  CHECK(names.count("imgtrain::attention_backward") == (attention_kernel_expected() ? 1u : 0u));
+  REQUIRE(ref.size() == fused.size());
+  for (size_t i = 0; i < ref.size(); ++i) {
+    INFO(ref[i].first);
+    const double scale = std::max(1e-3, ref[i].second.abs().max().item<double>());
+    CHECK((fused[i].second - ref[i].second).abs().max().item<double>() <= 1e-4 * scale);
+  }
+}
+
 TEST_CASE("inference fusion of ViT and ConvNeXt: GELU and residual adds as linear post-ops, equal within rounding",
           "[models]") {
   for (const char* name : {"vit_tiny_patch16_224", "convnext_tiny"}) {
@@ -1909,6 +1986,8 @@ TEST_CASE("CPU training defaults: NHWC and fused kernels for the BatchNorm convn
   CHECK(engine::fused_training_default("convnext_tiny", cpu, fp32));
   CHECK_FALSE(engine::fused_training_default("convnext_tiny", cpu, bf16));
   CHECK_FALSE(engine::fused_training_default("convnext_tiny", gpu, fp32));
-  CHECK_FALSE(engine::fused_training_default("vit_small_patch16_224", cpu, fp32));
+  CHECK_FALSE(engine::nhwc_fused_training_default("vit_small_patch16_224", cpu, fp32));
+  CHECK(engine::fused_training_default("vit_small_patch16_224", cpu, fp32));  // the attention kernels
+  CHECK_FALSE(engine::fused_training_default("vit_small_patch16_224", gpu, fp32));
   CHECK_FALSE(engine::fused_training_default("no_such_model", cpu, fp32));
 }
