@@ -161,6 +161,15 @@ IMGTRAIN_ATTN_AI void row_blocks(int64_t n, F&& f) {
 }
 
 int64_t padded(int64_t n) { return (n + 15) / 16 * 16; }
+// The valid lanes of the last vector of a row of n values (all 16 when n is a multiple of 16).
+__mmask16 tail_mask(int64_t n) { return n % 16 ? __mmask16((1u << (n % 16)) - 1) : __mmask16(0xffff); }
+
+// dst[j] = src[j * ld ...] for n rows of 64: strided rows made contiguous for the value products.
+void copy_rows(const float* src, int64_t ld, int64_t n, float* dst) {
+  for (int64_t j = 0; j < n; ++j)
+    IMGTRAIN_ATTN_UNROLL for (int64_t d = 0; d < kHead; d += 16)
+      _mm512_storeu_ps(dst + j * kHead + d, _mm512_loadu_ps(src + j * ld + d));
+}
 
 // Rows src[0..n) of 64 (stride ld) times `scale`, transposed into panels of 64 columns (the last
 // ones 16) of kHead rows each: dst[p0 * kHead + d * w + (j - p0)] = scale * src[j][d] for j in the
@@ -194,7 +203,7 @@ void scores(const float* a, int64_t lda, const float* bt, int64_t n, float* s, f
     row_blocks(n, [&](auto R, int64_t i) {
       scores_block<R(), 4, false>(a + i * lda, lda, bt + j0 * kHead, s + i * np + j0, np, rmax + i, 0);
     });
-  const __mmask16 tail = n % 16 ? __mmask16((1u << (n % 16)) - 1) : __mmask16(0xffff);
+  const __mmask16 tail = tail_mask(n);
   for (; j0 < np; j0 += 16) {
     const __mmask16 valid = j0 + 16 >= np ? tail : __mmask16(0xffff);
     row_blocks(n, [&](auto R, int64_t i) {
@@ -241,12 +250,10 @@ void attend_head(const float* q, const float* k, const float* v, int64_t ld, int
   const int64_t np = padded(n);
   float *kt = ws, *s = kt + kHead * np, *vb = s + n * np, *rmax = vb + n * kHead, *inv = rmax + n;
   transpose_panels(k, ld, n, scale, kt);
-  for (int64_t j = 0; j < n; ++j)
-    IMGTRAIN_ATTN_UNROLL for (int64_t d = 0; d < kHead; d += 16)
-      _mm512_storeu_ps(vb + j * kHead + d, _mm512_loadu_ps(v + j * ld + d));
+  copy_rows(v, ld, n, vb);
   scores(q, ld, kt, n, s, rmax);
   const int64_t nfull = n - n % 16;
-  const __mmask16 tail = n % 16 ? __mmask16((1u << (n % 16)) - 1) : __mmask16(0xffff);
+  const __mmask16 tail = tail_mask(n);
   for (int64_t r = 0; r < n; ++r) {
     float* row = s + r * np;
     const __m512 m = _mm512_set1_ps(rmax[r]);
@@ -277,16 +284,14 @@ void attend_head_backward(const float* q, const float* k, const float* v, int64_
                           float* dk, float* dv, float* ws) {
   const int64_t np = padded(n);
   float *kt = ws, *vt = kt + kHead * np, *p = vt + kHead * np, *ds = p + n * np, *kb = ds + n * np;
-  float *rmax = kb + n * kHead, *delta = rmax + n, *mul = delta + n;
+  float *rmax = kb + n * kHead, *ones = rmax + n, *scales = ones + n;  // rmax: scores() fills it, unused
   transpose_panels(k, ld, n, scale, kt);
   transpose_panels(v, ld, n, 1.0f, vt);
-  for (int64_t j = 0; j < n; ++j)
-    IMGTRAIN_ATTN_UNROLL for (int64_t d = 0; d < kHead; d += 16)
-      _mm512_storeu_ps(kb + j * kHead + d, _mm512_loadu_ps(k + j * ld + d));
+  copy_rows(k, ld, n, kb);
   scores(q, ld, kt, n, p, rmax);   // scale q k^T
   scores(go, ldo, vt, n, ds, rmax);  // dO V^T
   const int64_t nfull = n - n % 16;
-  const __mmask16 tail = n % 16 ? __mmask16((1u << (n % 16)) - 1) : __mmask16(0xffff);
+  const __mmask16 tail = tail_mask(n);
   for (int64_t r = 0; r < n; ++r) {
     __m512 dot = _mm512_setzero_ps();
     IMGTRAIN_ATTN_UNROLL for (int64_t d = 0; d < kHead; d += 16)
@@ -300,12 +305,12 @@ void attend_head_backward(const float* q, const float* k, const float* v, int64_
     };
     for (int64_t j = 0; j < nfull; j += 16) step(j, __mmask16(0xffff));
     if (n % 16) step(nfull, tail);
-    mul[r] = scale;
   }
-  std::fill(rmax, rmax + n, 1.0f);
-  products<true>(p, np, go, ldo, n, dv, ld, rmax);  // dV = P^T dO
-  products<false>(ds, np, kb, kHead, n, dq, ld, mul);  // dQ = scale dS K
-  products<true>(ds, np, q, ld, n, dk, ld, mul);  // dK = scale dS^T Q
+  std::fill(ones, ones + n, 1.0f);
+  std::fill(scales, scales + n, scale);
+  products<true>(p, np, go, ldo, n, dv, ld, ones);        // dV = P^T dO
+  products<false>(ds, np, kb, kHead, n, dq, ld, scales);  // dQ = scale dS K
+  products<true>(ds, np, q, ld, n, dk, ld, scales);       // dK = scale dS^T Q
 }
 #undef IMGTRAIN_ATTN_AI
 #undef IMGTRAIN_ATTN_UNROLL
