@@ -294,21 +294,11 @@ void attend_head(const float* q, const float* k, const float* v, int64_t ld, int
   products<false>(s, np, vb, kHead, n, out, ldo, inv);
 }
 
-// The gradients of one head (flash attention's backward, the probabilities recomputed from lse):
-// P = exp(scale q k^T - lse), dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(dO * O)),
-// dQ = scale dS K, dK = scale dS^T Q. q, k, v and dq, dk, dv rows of 64 with stride ld; o and go
-// (the output and its gradient) with stride ldo.
-void attend_head_backward(const float* q, const float* k, const float* v, int64_t ld, const float* o,
-                          const float* go, int64_t ldo, const float* lse, int64_t n, float scale, float* dq,
-                          float* dk, float* dv, float* ws) {
+// Backward's elementwise pass: the scores in p [n, padded(n)] to the probabilities
+// P = exp(p - lse) in place, dP in ds to dS = P (dP - rowsum(dO * O)) in place, the tail lanes zero.
+void probability_grads(float* p, float* ds, int64_t n, const float* o, const float* go, int64_t ldo,
+                       const float* lse) {
   const int64_t np = padded(n);
-  float *kt = ws, *vt = kt + kHead * np, *p = vt + kHead * np, *ds = p + n * np, *kb = ds + n * np;
-  float *rmax = kb + n * kHead, *ones = rmax + n, *scales = ones + n;  // rmax: scores() fills it, unused
-  transpose_panels(k, ld, n, scale, kt);
-  transpose_panels(v, ld, n, 1.0f, vt);
-  copy_rows(k, ld, n, kb);
-  scores(q, ld, kt, n, p, rmax);   // scale q k^T
-  scores(go, ldo, vt, n, ds, rmax);  // dO V^T
   const int64_t nfull = n - n % 16;
   const __mmask16 tail = tail_mask(n);
   for (int64_t r = 0; r < n; ++r) {
@@ -325,6 +315,24 @@ void attend_head_backward(const float* q, const float* k, const float* v, int64_
     for (int64_t j = 0; j < nfull; j += 16) step(j, __mmask16(0xffff));
     if (n % 16) step(nfull, tail);
   }
+}
+
+// The gradients of one head (flash attention's backward, the probabilities recomputed from lse):
+// P = exp(scale q k^T - lse), dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(dO * O)),
+// dQ = scale dS K, dK = scale dS^T Q. q, k, v and dq, dk, dv rows of 64 with stride ld; o and go
+// (the output and its gradient) with stride ldo.
+void attend_head_backward(const float* q, const float* k, const float* v, int64_t ld, const float* o,
+                          const float* go, int64_t ldo, const float* lse, int64_t n, float scale, float* dq,
+                          float* dk, float* dv, float* ws) {
+  const int64_t np = padded(n);
+  float *kt = ws, *vt = kt + kHead * np, *p = vt + kHead * np, *ds = p + n * np, *kb = ds + n * np;
+  float *rmax = kb + n * kHead, *ones = rmax + n, *scales = ones + n;  // rmax: scores() fills it, unused
+  transpose_panels(k, ld, n, scale, kt);
+  transpose_panels(v, ld, n, 1.0f, vt);
+  copy_rows(k, ld, n, kb);
+  scores(q, ld, kt, n, p, rmax);   // scale q k^T
+  scores(go, ldo, vt, n, ds, rmax);  // dO V^T
+  probability_grads(p, ds, n, o, go, ldo, lse);
   std::fill(ones, ones + n, 1.0f);
   std::fill(scales, scales + n, scale);
   products<true>(p, np, go, ldo, n, dv, ld, ones);        // dV = P^T dO
