@@ -1,4 +1,5 @@
 #include "ops/attention.h"
+#include "ops/kernel_util.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -37,24 +38,24 @@ constexpr int64_t kMaxTokens = 1024;
 #define IMGTRAIN_ATTN_UNROLL _Pragma("GCC unroll 8")
 #define IMGTRAIN_ATTN_AI inline __attribute__((always_inline))
 
-// exp(x) for x <= 0 (a score less its row's maximum) within ~1 ulp: Cephes' expf (norm_act.cpp's
-// exp_approx: the same range reduction constants and polynomial) on 16 lanes, with AVX-512's own
-// rounding (roundscale) and power of two (scalef) and the reduction in FMAs: 14 instructions where
-// the integer-exponent form took 21. The clamp keeps a NaN (max returns its second operand for one),
+// exp(x) for x <= 0 (a score less its row's maximum) within ~1 ulp: Cephes' expf (kernel_util.h,
+// as norm_act.cpp's exp_approx) on 16 lanes, with AVX-512's own rounding (roundscale) and power of
+// two (scalef) and the reduction in FMAs: 14 instructions where the integer-exponent form took 21. The clamp keeps a NaN (max returns its second operand for one),
 // so a NaN score gives a NaN row as ATen's kernel does.
 IMGTRAIN_ATTN_AI __m512 exp16(__m512 x) {
+  namespace ce = cephes_expf;
   x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);
-  const __m512 fn = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+  const __m512 fn = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(ce::log2e)),
                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(fn, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fmadd_ps(fn, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 r = _mm512_fnmadd_ps(fn, _mm512_set1_ps(ce::ln2_hi), x);
+  r = _mm512_fnmadd_ps(fn, _mm512_set1_ps(ce::ln2_lo), r);
   const __m512 z = _mm512_mul_ps(r, r);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  __m512 y = _mm512_set1_ps(ce::p0);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(ce::p1));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(ce::p2));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(ce::p3));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(ce::p4));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(ce::p5));
   y = _mm512_add_ps(_mm512_fmadd_ps(y, z, r), _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(y, fn);
 }

@@ -11,6 +11,17 @@
 #endif
 #define IMGTRAIN_AI inline __attribute__((always_inline))
 
+namespace imgtrain::ops::cephes_expf {
+// Cephes' expf: exp(x) = 2^n exp(r), n = round(x log2(e)), r = x - n ln(2) with ln(2) in two parts
+// (ln2_hi exact in few bits), exp(r) = 1 + r + r^2 p(r), p of degree 5; ~1 ulp over [-87, 88].
+// norm_act.cpp's scalar exp_approx and attention.cpp's AVX-512 exp16 both evaluate it.
+constexpr float log2e = 1.44269504088896341f;
+constexpr float ln2_hi = 0.693359375f;
+constexpr float ln2_lo = -2.12194440e-4f;  // ln(2) = ln2_hi + ln2_lo
+constexpr float p0 = 1.9875691500e-4f, p1 = 1.3981999507e-3f, p2 = 8.3334519073e-3f, p3 = 4.1665795894e-2f,
+                p4 = 1.6666665459e-1f, p5 = 5.0000001201e-1f;
+}  // namespace imgtrain::ops::cephes_expf
+
 #ifdef IMGTRAIN_WITH_CUDA
 #include <cuda_runtime.h>
 

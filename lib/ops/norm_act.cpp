@@ -50,18 +50,19 @@ constexpr int kLanes = 16;             // independent float accumulators along a
 // by truncation of a positive number, x - n ln 2 in two parts, a degree-6 polynomial, 2^n through
 // the exponent bits. No branches and no library call, so loops over it vectorise.
 IMGTRAIN_AI float exp_approx(float x) {
+  namespace ce = cephes_expf;
   x = std::min(std::max(x, -87.0f), 88.0f);
-  const int32_t n = int32_t(x * 1.44269504088896341f + 0.5f + 128.0f) - 128;
+  const int32_t n = int32_t(x * ce::log2e + 0.5f + 128.0f) - 128;
   const float fn = float(n);
-  float r = x - fn * 0.693359375f;
-  r = r + fn * 2.12194440e-4f;
+  float r = x - fn * ce::ln2_hi;
+  r = r - fn * ce::ln2_lo;
   const float z = r * r;
-  float y = 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
+  float y = ce::p0;
+  y = y * r + ce::p1;
+  y = y * r + ce::p2;
+  y = y * r + ce::p3;
+  y = y * r + ce::p4;
+  y = y * r + ce::p5;
   y = y * z + r + 1.0f;
   return y * std::bit_cast<float>((n + 127) << 23);
 }
