@@ -117,7 +117,7 @@ struct ConvNeXtBlockImpl : torch::nn::Module, InferenceFusion, TrainingFusion {
 };
 TORCH_MODULE(ConvNeXtBlock);
 
-class ConvNeXtImpl : public ClassifierImpl {
+class ConvNeXtImpl : public ClassifierImpl, public InferenceFusion {
  public:
   ConvNeXtImpl(const ConvNeXtSpec& s, const ModelArgs& a) : num_classes_(a.num_classes), drop_rate_(a.drop_rate) {
     // timm's NormMlpClassifierHead normalises num_features channels, so no catavgmax
@@ -162,7 +162,7 @@ class ConvNeXtImpl : public ClassifierImpl {
   }
 
   at::Tensor forward_features(const at::Tensor& in) override {
-    auto x = stem_->forward(in);
+    auto x = stem(in);
     for (size_t i = 0; i < blocks_.size(); ++i) x = run_stage(i, x);
     return x;
   }
@@ -185,7 +185,7 @@ class ConvNeXtImpl : public ClassifierImpl {
   std::vector<at::Tensor> forward_intermediates(const at::Tensor& in, const std::vector<int64_t>& indices) override {
     std::vector<at::Tensor> out;
     const int64_t last = indices.empty() ? -1 : *std::max_element(indices.begin(), indices.end());
-    auto x = stem_->forward(in);
+    auto x = stem(in);
     for (int64_t i = 0; i <= last; ++i) {
       x = run_stage(size_t(i), x);
       if (std::find(indices.begin(), indices.end(), i) != indices.end()) out.push_back(x);
@@ -194,8 +194,27 @@ class ConvNeXtImpl : public ClassifierImpl {
   }
 
  private:
+  // Inference fusion: the stem's 4x4 and the downsampling's 2x2 convolutions (kernel = stride) as
+  // linears over patches (patch_conv_linear), whose output is channels-last for the LayerNorm2d
+  // and depthwise convolution after them.
+  at::Tensor stem(const at::Tensor& in) {
+    if (fuse_infer && !is_training())
+      if (auto y = patch_conv_linear(*stem_[0]->as<torch::nn::Conv2dImpl>(), in, &patch_cache_[0]); y.defined())
+        return stem_[1]->as<LayerNorm2dImpl>()->forward(y);
+    return stem_->forward(in);
+  }
   at::Tensor run_stage(size_t i, at::Tensor x) {
-    if (downsample_[i]) x = downsample_[i]->forward(x);
+    if (downsample_[i]) {
+      auto& ds = downsample_[i];
+      at::Tensor y;
+      if (fuse_infer && !is_training()) {
+        x = ds[0]->as<LayerNorm2dImpl>()->forward(x);
+        y = patch_conv_linear(*ds[1]->as<torch::nn::Conv2dImpl>(), x, &patch_cache_[i]);
+        x = y.defined() ? y : ds[1]->as<torch::nn::Conv2dImpl>()->forward(x);
+      } else {
+        x = ds->forward(x);
+      }
+    }
     for (auto& b : blocks_[i]) x = b(x);
     return x;
   }
@@ -219,6 +238,7 @@ class ConvNeXtImpl : public ClassifierImpl {
   torch::nn::ModuleList stages_{nullptr};
   std::shared_ptr<torch::nn::Module> head_;
   std::vector<torch::nn::Sequential> downsample_;
+  std::array<PatchLinearCache, 4> patch_cache_;  // the stem's ([0]) and stage i's downsampling ([i])
   std::vector<std::vector<ConvNeXtBlock>> blocks_;
   LayerNorm2d head_norm_{nullptr};
   Linear head_fc_{nullptr};

@@ -442,6 +442,39 @@ at::Tensor linear_add(const at::Tensor& x, const at::Tensor& w, const at::Tensor
   return st[0].toTensor();
 }
 
+at::Tensor patch_conv_linear(const torch::nn::Conv2dImpl& conv, const at::Tensor& x, PatchLinearCache* cache) {
+  const auto& w = conv.weight;
+  const auto& o = conv.options;
+  if (!linear_fusable(x) || x.dim() != 4 || w.dim() != 4 || w.scalar_type() != at::kFloat || o.groups() != 1 ||
+      w.size(1) != x.size(1))
+    return {};
+  const int64_t k = w.size(2);
+  if (w.size(3) != k || o.stride()->at(0) != k || o.stride()->at(1) != k || o.dilation()->at(0) != 1 ||
+      o.dilation()->at(1) != 1 || x.size(2) % k || x.size(3) % k)
+    return {};
+  // no padding: zeros given, or 'valid'; 'same' pads nothing only for a 1x1 kernel
+  if (const auto* pad = std::get_if<torch::ExpandingArray<2>>(&o.padding())) {
+    if ((*pad)->at(0) || (*pad)->at(1)) return {};
+  } else if (!std::holds_alternative<torch::enumtype::kValid>(o.padding()) && k != 1) {
+    return {};
+  }
+  const int64_t n = x.size(0), c = x.size(1), ho = x.size(2) / k, wo = x.size(3) / k;
+  const bool cl = !x.is_contiguous() && x.is_contiguous(at::MemoryFormat::ChannelsLast);
+  if (!cache->weight.defined() || !cache->from.matches(w) || cache->channels_last != cl) {
+    at::NoGradGuard no_grad;
+    cache->weight = cl ? w.permute({0, 2, 3, 1}).reshape({w.size(0), -1}).contiguous()
+                       : w.reshape({w.size(0), -1}).contiguous();
+    cache->channels_last = cl;
+    cache->from.take(w);
+  }
+  const auto patches =
+      cl ? x.permute({0, 2, 3, 1}).view({n, ho, k, wo, k, c}).permute({0, 1, 3, 2, 4, 5}).reshape({n * ho * wo, -1})
+         : x.contiguous().view({n, c, ho, k, wo, k}).permute({0, 2, 4, 1, 3, 5}).reshape({n * ho * wo, -1});
+  return linear_act(patches, cache->weight, conv.bias, Act::Identity, &cache->pack)
+      .view({n, ho, wo, w.size(0)})
+      .permute({0, 3, 1, 2});
+}
+
 ConvBnActImpl::ConvBnActImpl(int64_t in, int64_t out, int64_t k, int64_t stride, Act act_, const std::string& pad_type,
                              double bn_eps, bool skip, double drop_path_rate)
     : act(act_), has_skip(skip && stride == 1 && in == out), dpr(drop_path_rate) {

@@ -131,6 +131,22 @@ at::Tensor linear_act(const at::Tensor& x, const at::Tensor& w, const at::Tensor
 at::Tensor linear_add(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const at::Tensor& residual,
                       LinearPack* pack = nullptr);
 
+// A convolution whose kernel is its stride (no padding, one group, no dilation: ViT's patch
+// embedding, ConvNeXt's stem and downsampling) is a Linear over non-overlapping patches. Under the
+// conditions of linear_fusable and with H, W multiples of the kernel: the patches gathered in x's
+// memory order (NCHW: each patch as the weight's [C, k, k]; channels-last: as [k, k, C], the weight
+// permuted to match, once) and one oneDNN linear with the packed weight. Returns the conv's
+// [N, out, H/k, W/k] in channels-last memory (the linear's rows: no reorder out of oneDNN's
+// blocked layout, which the convolution pays, and the [N, H/k * W/k, out] tokens ViT wants are a
+// view). Undefined where it does not apply. The cache follows the weight (replaced or in place).
+struct PatchLinearCache {
+  TensorStamp from;  // conv.weight
+  bool channels_last = false;
+  at::Tensor weight;  // [out, C k k] in the patches' order
+  LinearPack pack;
+};
+at::Tensor patch_conv_linear(const torch::nn::Conv2dImpl& conv, const at::Tensor& x, PatchLinearCache* cache);
+
 // A Linear as Python's nn.Linear (timm's) runs it: at::linear, which takes a contiguous input of
 // any rank as one addmm with the bias added inside the GEMM. torch::nn::Linear's C++ forward
 // (torch::nn::functional::linear) does that for 2-D inputs only and otherwise runs matmul and then

@@ -1072,8 +1072,10 @@ TEST_CASE("inference fusion of ViT and ConvNeXt: GELU and residual adds as linea
     CHECK((y - ref).abs().max().item<double>() <= 1e-4 * scale);
     CHECK(names.count("mkldnn::_linear_pointwise"));  // the fused ops did run (their results may
     // equal ATen's to the bit: oneDNN's float32 GEMM and GELU can be the same arithmetic)
-    if (std::string(name) == "vit_tiny_patch16_224")
+    if (std::string(name) == "vit_tiny_patch16_224") {
       CHECK(names.count("imgtrain::attention_infer") == (attention_kernel_expected() ? 1u : 0u));
+      CHECK(names.count("aten::convolution") == 0);  // the patch embedding ran as a linear
+    }
     {  // a forward that records autograd never fuses
       torch::AutoGradMode on(true);
       CHECK(torch::equal(m->forward(x), ref));
@@ -1090,7 +1092,9 @@ TEST_CASE("inference fusion of ViT and ConvNeXt: GELU and residual adds as linea
     // folded copies follow
     for (auto& p : m->named_parameters())
       if (p.key().find("gamma") != std::string::npos || p.key().find("fc2") != std::string::npos ||
-          p.key().find("qkv") != std::string::npos)
+          p.key().find("qkv") != std::string::npos || p.key().find("patch_embed.proj.weight") != std::string::npos ||
+          p.key().find("stem.0.weight") != std::string::npos ||
+          p.key().find("downsample.1.weight") != std::string::npos)
         p.value().mul_(0.7);
     set_inference_fusion(*m, false);
     const auto ref2 = m->forward(xl);
@@ -1100,6 +1104,55 @@ TEST_CASE("inference fusion of ViT and ConvNeXt: GELU and residual adds as linea
     CHECK((y - ref2).abs().max().item<double>() <= 1e-4 * scale);
     set_inference_fusion(*m, false);
     CHECK(torch::equal(m->forward(xl), ref2));
+  }
+}
+
+TEST_CASE("a convolution whose kernel is its stride runs as a linear over patches, equal to conv2d", "[models]") {
+  using model_zoo::patch_conv_linear;
+  using model_zoo::PatchLinearCache;
+  torch::NoGradGuard ng;
+  torch::manual_seed(0);
+  struct Case {
+    int64_t in, out, k, hw;
+    bool bias;
+  };
+  for (const auto& c : {Case{3, 96, 4, 32, true}, Case{3, 24, 16, 64, true}, Case{8, 16, 2, 14, false},
+                        Case{1, 4, 3, 9, true}}) {
+    INFO("in " << c.in << " out " << c.out << " k " << c.k << " bias " << c.bias);
+    torch::nn::Conv2d conv(torch::nn::Conv2dOptions(c.in, c.out, c.k).stride(c.k).bias(c.bias));
+    const auto x = torch::randn({2, c.in, c.hw, c.hw});
+    PatchLinearCache cache;
+    for (bool cl : {false, true}) {
+      INFO("channels-last input " << cl);
+      const auto xi = cl ? x.contiguous(at::MemoryFormat::ChannelsLast) : x;
+      const auto want = conv(xi);
+      const auto got = patch_conv_linear(*conv, xi, &cache);
+      REQUIRE(got.defined());
+      CHECK(got.sizes() == want.sizes());
+      CHECK(got.is_contiguous(at::MemoryFormat::ChannelsLast));
+      CHECK((got - want).abs().max().item<double>() <= 1e-5 * std::max(1.0, want.abs().max().item<double>()));
+      CHECK(cache.channels_last == (cl && c.in > 1));  // one channel: NCHW and NHWC are the same memory
+    }
+    conv->weight.mul_(-0.5);  // changed in place: the cached weight follows
+    const auto want = conv(x), got = patch_conv_linear(*conv, x, &cache);
+    CHECK((got - want).abs().max().item<double>() <= 1e-5 * std::max(1.0, want.abs().max().item<double>()));
+  }
+  // where it does not apply it says so (undefined) and the caller runs the convolution
+  PatchLinearCache cache;
+  auto refuses = [&](const torch::nn::Conv2dOptions& o, const at::Tensor& x) {
+    torch::nn::Conv2d conv(o);
+    return !patch_conv_linear(*conv, x, &cache).defined();
+  };
+  const auto x = torch::randn({1, 3, 16, 16});
+  CHECK(refuses(torch::nn::Conv2dOptions(3, 8, 4).stride(2), x));                 // overlapping patches
+  CHECK(refuses(torch::nn::Conv2dOptions(3, 8, 4).stride(4).padding(1), x));      // padding
+  CHECK(refuses(torch::nn::Conv2dOptions(3, 6, 4).stride(4).groups(3), x));       // groups
+  CHECK(refuses(torch::nn::Conv2dOptions(3, 8, 5).stride(5), x));                 // 16 not a multiple of 5
+  CHECK(refuses(torch::nn::Conv2dOptions(3, 8, 4).stride(4), x.to(at::kDouble)));  // not float32
+  CHECK_FALSE(refuses(torch::nn::Conv2dOptions(3, 8, 4).stride(4).padding(torch::kValid), x));
+  {
+    torch::AutoGradMode on(true);  // autograd: the convolution's own backward is wanted
+    CHECK(refuses(torch::nn::Conv2dOptions(3, 8, 4).stride(4), x));
   }
 }
 
