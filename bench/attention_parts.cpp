@@ -30,9 +30,9 @@ int main(int argc, char** argv) {
   std::mt19937 gen(1);
   std::normal_distribution<float> normal;
   for (auto& x : qkv) x = normal(gen);
-  Scratch scratch(n);
+  AlignedVector<float> scratch(size_t(scratch_size(n)));
   const int64_t np = padded(n);
-  float *kt = scratch.data, *s = kt + kHead * np, *vb = s + n * np, *rmax = vb + n * kHead, *inv = rmax + n;
+  float *kt = scratch.data(), *s = kt + kHead * np, *vb = s + n * np, *rmax = vb + n * kHead, *inv = rmax + n;
   auto head = [&](int64_t t) { return qkv.data() + (t / heads) * n * ld + (t % heads) * kHead; };
   auto dst = [&](int64_t t) { return out.data() + (t / heads) * n * c + (t % heads) * kHead; };
   auto time = [&](auto&& f) {
@@ -47,7 +47,7 @@ int main(int argc, char** argv) {
   const float scale = 1.0f / std::sqrt(float(kHead));
   const double whole = time([&](int64_t t) {
     const float* b = head(t);
-    attend_head(b, b + c, b + 2 * c, ld, n, scale, dst(t), c, nullptr, scratch.data);
+    attend_head(b, b + c, b + 2 * c, ld, n, scale, dst(t), c, nullptr, scratch.data());
   });
   const double tr = time([&](int64_t t) { transpose_panels(head(t) + c, ld, n, scale, kt); });
   const double cp = time([&](int64_t t) { copy_rows(head(t) + 2 * c, ld, n, vb); });
@@ -63,7 +63,7 @@ int main(int argc, char** argv) {
   std::vector<float> lse(size_t(imgs * heads * n)), go(out.size()), dqkv(qkv.size());
   for (int64_t t = 0; t < imgs * heads; ++t) {
     const float* b = head(t);
-    attend_head(b, b + c, b + 2 * c, ld, n, scale, dst(t), c, lse.data() + t * n, scratch.data);
+    attend_head(b, b + c, b + 2 * c, ld, n, scale, dst(t), c, lse.data() + t * n, scratch.data());
   }
   for (auto& x : go) x = normal(gen);
   float *vt = kt + kHead * np, *p = vt + kHead * np, *ds = p + n * np, *kb = ds + n * np, *bmax = kb + n * kHead;
@@ -74,7 +74,7 @@ int main(int argc, char** argv) {
     const float* b = head(t);
     float* d = grad(t);
     attend_head_backward(b, b + c, b + 2 * c, ld, dst(t), gout(t), c, lse.data() + t * n, n, scale, d, d + c,
-                         d + 2 * c, scratch.data);
+                         d + 2 * c, scratch.data());
   });
   const double btr = time([&](int64_t t) {
     transpose_panels(head(t) + c, ld, n, scale, kt);

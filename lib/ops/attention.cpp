@@ -234,24 +234,13 @@ void products(const float* p, int64_t ldp, const float* v, int64_t ldv, int64_t 
   }
 }
 
-// Scratch floats for one head of n tokens (forward and backward).
+// Scratch floats for one head of n tokens (forward and backward). A thread holds them in an
+// AlignedVector (64-byte boundary): every buffer in it starts at a multiple of 16 floats and its
+// rows are multiples of 16 floats, so the kernels' vector loads never straddle two cache lines.
 int64_t scratch_size(int64_t n) {
   const int64_t np = padded(n);
   return 2 * kHead * np + 2 * n * np + n * kHead + 3 * n;
 }
-
-// A thread's scratch for one head at a time, starting on a 64-byte boundary: every buffer in it
-// starts at a multiple of 16 floats and its rows are multiples of 16 floats, so the kernels' vector
-// loads never straddle two cache lines (a vector's 16-byte alignment made the score kernel ~10%
-// slower, 177 vs 196 GFLOP/s on one core here).
-struct Scratch {
-  explicit Scratch(int64_t n) : buf(size_t(scratch_size(n) + 15)) {
-    const auto a = reinterpret_cast<std::uintptr_t>(buf.data());
-    data = buf.data() + (64 - a % 64) % 64 / sizeof(float);
-  }
-  std::vector<float> buf;
-  float* data;
-};
 
 // The scores s [n, padded(n)] in place to exp(s - rmax) with the tail lanes zero; inv[r] = 1 / the
 // row's sum, lse[r] (if not null) its log-sum-exp.
@@ -377,12 +366,12 @@ at::Tensor run_forward(const at::Tensor& qkv, int64_t heads, const at::Tensor& l
   float* l = lse.defined() ? lse.mutable_data_ptr<float>() : nullptr;
   const float scale = 1.0f / std::sqrt(float(kHead));
   at::parallel_for(0, b * heads, 1, [&](int64_t begin, int64_t end) {
-    Scratch ws(n);
+    AlignedVector<float> ws(size_t(scratch_size(n)));
     for (int64_t t = begin; t < end; ++t) {
       const int64_t img = t / heads, h = t % heads;
       const float* base = src + img * n * ld + h * kHead;
       attend_head(base, base + c, base + 2 * c, ld, n, scale, dst + img * n * c + h * kHead, c,
-                  l ? l + t * n : nullptr, ws.data);
+                  l ? l + t * n : nullptr, ws.data());
     }
   });
 #endif
@@ -415,14 +404,14 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     float* dst = dqkv.mutable_data_ptr<float>();
     const float scale = 1.0f / std::sqrt(float(kHead));
     at::parallel_for(0, b * heads, 1, [&](int64_t begin, int64_t end) {
-      Scratch ws(n);
+      AlignedVector<float> ws(size_t(scratch_size(n)));
       for (int64_t t = begin; t < end; ++t) {
         const int64_t img = t / heads, h = t % heads;
         const int64_t in_off = img * n * ld + h * kHead, out_off = img * n * c + h * kHead;
         const float* base = src + in_off;
         float* d = dst + in_off;
         attend_head_backward(base, base + c, base + 2 * c, ld, o + out_off, g + out_off, c, l + t * n, n, scale, d,
-                             d + c, d + 2 * c, ws.data);
+                             d + c, d + 2 * c, ws.data());
       }
     });
 #endif

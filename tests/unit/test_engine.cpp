@@ -17,6 +17,7 @@
 #include "ops/mlp.h"
 #include "ops/attention.h"
 #include "ops/se_gate.h"
+#include "ops/kernel_util.h"
 #include "optim/optim.h"
 #include "core/rng.h"
 #include "tasks/classification/classification.h"
@@ -915,6 +916,16 @@ bool attention_kernel_expected() {
 #else
   return false;
 #endif
+}
+
+TEST_CASE("the kernels' aligned scratch starts on 64-byte boundaries", "[ops]") {
+  for (size_t n : {1, 3, 16, 1000, 123457}) {
+    ops::AlignedVector<float> v(n, 1.0f);
+    CHECK(reinterpret_cast<std::uintptr_t>(v.data()) % 64 == 0);
+    v.resize(n * 3 + 5);  // and after it grows
+    CHECK(reinterpret_cast<std::uintptr_t>(v.data()) % 64 == 0);
+    CHECK(v[0] == 1.0f);
+  }
 }
 
 TEST_CASE("the inference attention kernel equals scaled_dot_product_attention over qkv's output", "[ops]") {
