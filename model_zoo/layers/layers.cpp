@@ -445,8 +445,8 @@ at::Tensor linear_add(const at::Tensor& x, const at::Tensor& w, const at::Tensor
 at::Tensor patch_conv_linear(const torch::nn::Conv2dImpl& conv, const at::Tensor& x, PatchLinearCache* cache) {
   const auto& w = conv.weight;
   const auto& o = conv.options;
-  if (!linear_fusable(x) || x.dim() != 4 || w.dim() != 4 || w.scalar_type() != at::kFloat || o.groups() != 1 ||
-      w.size(1) != x.size(1))
+  if (!linear_fusable(x) || x.dim() != 4 || x.numel() == 0 || w.dim() != 4 || w.scalar_type() != at::kFloat ||
+      o.groups() != 1 || w.size(1) != x.size(1))
     return {};
   const int64_t k = w.size(2);
   if (w.size(3) != k || o.stride()->at(0) != k || o.stride()->at(1) != k || o.dilation()->at(0) != 1 ||

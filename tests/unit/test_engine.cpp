@@ -31,6 +31,7 @@
 #include <cstdio>
 #include <sys/stat.h>
 #include <functional>
+#include <map>
 #include <set>
 #include <cstdlib>
 #include <cstring>
@@ -620,6 +621,22 @@ std::set<std::string> ops_called(const std::function<void()>& f) {
   return names;
 }
 
+// How many times `f` calls each op on this thread (RecordFunction).
+thread_local std::map<std::string, int>* g_op_counts = nullptr;
+std::map<std::string, int> op_counts(const std::function<void()>& f) {
+  std::map<std::string, int> counts;
+  g_op_counts = &counts;
+  auto handle = at::addThreadLocalCallback(at::RecordFunctionCallback(
+      [](const at::RecordFunction& r) -> std::unique_ptr<at::ObserverContext> {
+        if (g_op_counts) ++(*g_op_counts)[r.name()];
+        return nullptr;
+      }));
+  f();
+  at::removeCallback(handle);
+  g_op_counts = nullptr;
+  return counts;
+}
+
 void fused_optimizers_agree(torch::Device dev, double tolerance_sgd) {
   for (double momentum : {0.9, 0.0})
     for (std::string opt : {"sgd", "momentum"}) {
@@ -1083,9 +1100,14 @@ TEST_CASE("inference fusion of ViT and ConvNeXt: GELU and residual adds as linea
     CHECK((y - ref).abs().max().item<double>() <= 1e-4 * scale);
     CHECK(names.count("mkldnn::_linear_pointwise"));  // the fused ops did run (their results may
     // equal ATen's to the bit: oneDNN's float32 GEMM and GELU can be the same arithmetic)
-    if (std::string(name) == "vit_tiny_patch16_224") {
+    if (std::string(name) == "vit_tiny_patch16_224")
       CHECK(names.count("imgtrain::attention_infer") == (attention_kernel_expected() ? 1u : 0u));
-      CHECK(names.count("aten::convolution") == 0);  // the patch embedding ran as a linear
+    {  // the patch convolutions (ViT's embedding; ConvNeXt's stem and 3 downsamplings) ran as linears
+      set_inference_fusion(*m, false);
+      const int plain = op_counts([&] { m->forward(x); })["aten::convolution"];
+      set_inference_fusion(*m, true);
+      const int fused = op_counts([&] { m->forward(x); })["aten::convolution"];
+      CHECK(plain - fused == (std::string(name) == "convnext_tiny" ? 4 : 1));
     }
     {  // a forward that records autograd never fuses
       torch::AutoGradMode on(true);
@@ -1144,8 +1166,11 @@ TEST_CASE("a convolution whose kernel is its stride runs as a linear over patche
       CHECK((got - want).abs().max().item<double>() <= 1e-5 * std::max(1.0, want.abs().max().item<double>()));
       CHECK(cache.channels_last == (cl && c.in > 1));  // one channel: NCHW and NHWC are the same memory
     }
-    conv->weight.mul_(-0.5);  // changed in place: the cached weight follows
-    const auto want = conv(x), got = patch_conv_linear(*conv, x, &cache);
+    // changed in place: the cached weight follows (the same memory format as the call before, so
+    // only the weight's stamp can tell; channels-last's cached weight is a permuted copy)
+    conv->weight.mul_(-0.5);
+    const auto xl = x.contiguous(at::MemoryFormat::ChannelsLast);
+    const auto want = conv(xl), got = patch_conv_linear(*conv, xl, &cache);
     CHECK((got - want).abs().max().item<double>() <= 1e-5 * std::max(1.0, want.abs().max().item<double>()));
   }
   // where it does not apply it says so (undefined) and the caller runs the convolution
@@ -1160,6 +1185,9 @@ TEST_CASE("a convolution whose kernel is its stride runs as a linear over patche
   CHECK(refuses(torch::nn::Conv2dOptions(3, 6, 4).stride(4).groups(3), x));       // groups
   CHECK(refuses(torch::nn::Conv2dOptions(3, 8, 5).stride(5), x));                 // 16 not a multiple of 5
   CHECK(refuses(torch::nn::Conv2dOptions(3, 8, 4).stride(4), x.to(at::kDouble)));  // not float32
+  CHECK(refuses(torch::nn::Conv2dOptions(3, 8, 4).stride(4).dilation(2), x));     // dilation
+  CHECK(refuses(torch::nn::Conv2dOptions(3, 8, {4, 2}).stride({4, 2}), x));       // not square
+  CHECK(refuses(torch::nn::Conv2dOptions(3, 8, 4).stride(4), torch::randn({0, 3, 16, 16})));  // empty batch
   CHECK_FALSE(refuses(torch::nn::Conv2dOptions(3, 8, 4).stride(4).padding(torch::kValid), x));
   {
     torch::AutoGradMode on(true);  // autograd: the convolution's own backward is wanted
