@@ -197,23 +197,16 @@ class ConvNeXtImpl : public ClassifierImpl, public InferenceFusion {
   // Inference fusion: the stem's 4x4 and the downsampling's 2x2 convolutions (kernel = stride) as
   // linears over patches (patch_conv_linear), whose output is channels-last for the LayerNorm2d
   // and depthwise convolution after them.
-  at::Tensor stem(const at::Tensor& in) {
-    if (fuse_infer && !is_training())
-      if (auto y = patch_conv_linear(*stem_[0]->as<torch::nn::Conv2dImpl>(), in, &patch_cache_[0]); y.defined())
-        return stem_[1]->as<LayerNorm2dImpl>()->forward(y);
-    return stem_->forward(in);
+  at::Tensor stem(const at::Tensor& in) {  // conv, LayerNorm2d
+    const bool fuse = fuse_infer && !is_training();
+    return stem_[1]->as<LayerNorm2dImpl>()->forward(
+        patch_conv(*stem_[0]->as<torch::nn::Conv2dImpl>(), in, &patch_cache_[0], fuse));
   }
   at::Tensor run_stage(size_t i, at::Tensor x) {
-    if (downsample_[i]) {
-      auto& ds = downsample_[i];
-      at::Tensor y;
-      if (fuse_infer && !is_training()) {
-        x = ds[0]->as<LayerNorm2dImpl>()->forward(x);
-        y = patch_conv_linear(*ds[1]->as<torch::nn::Conv2dImpl>(), x, &patch_cache_[i]);
-        x = y.defined() ? y : ds[1]->as<torch::nn::Conv2dImpl>()->forward(x);
-      } else {
-        x = ds->forward(x);
-      }
+    if (auto& ds = downsample_[i]) {  // LayerNorm2d, conv
+      const bool fuse = fuse_infer && !is_training();
+      x = patch_conv(*ds[1]->as<torch::nn::Conv2dImpl>(), ds[0]->as<LayerNorm2dImpl>()->forward(x), &patch_cache_[i],
+                     fuse);
     }
     for (auto& b : blocks_[i]) x = b(x);
     return x;

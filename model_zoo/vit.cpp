@@ -109,10 +109,8 @@ struct PatchEmbedImpl : torch::nn::Module, InferenceFusion {
   PatchEmbedImpl(int64_t in_chans, int64_t dim, int64_t patch) {
     proj = register_module("proj", torch::nn::Conv2d(torch::nn::Conv2dOptions(in_chans, dim, patch).stride(patch)));
   }
-  at::Tensor forward(const at::Tensor& x) {  // B, N, C
-    if (fuse_infer && !is_training())  // the convolution as a linear over the patches, tokens in place
-      if (auto y = patch_conv_linear(*proj, x, &cache); y.defined()) return y.flatten(2).transpose(1, 2);
-    return proj(x).flatten(2).transpose(1, 2);
+  at::Tensor forward(const at::Tensor& x) {  // B, N, C (inference fusion: a linear over the patches)
+    return patch_conv(*proj, x, &cache, fuse_infer && !is_training()).flatten(2).transpose(1, 2);
   }
   PatchLinearCache cache;
 };

@@ -40,8 +40,9 @@ constexpr int64_t kMaxTokens = 1024;
 
 // exp(x) for x <= 0 (a score less its row's maximum) within ~1 ulp: Cephes' expf (kernel_util.h,
 // as norm_act.cpp's exp_approx) on 16 lanes, with AVX-512's own rounding (roundscale) and power of
-// two (scalef) and the reduction in FMAs: 14 instructions where the integer-exponent form took 21. The clamp keeps a NaN (max returns its second operand for one),
-// so a NaN score gives a NaN row as ATen's kernel does.
+// two (scalef) and the reduction in FMAs: 14 instructions where the integer-exponent form took 21.
+// The clamp keeps a NaN (max returns its second operand for one), so a NaN score gives a NaN row
+// as ATen's kernel does.
 IMGTRAIN_ATTN_AI __m512 exp16(__m512 x) {
   namespace ce = cephes_expf;
   x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);

@@ -1,6 +1,11 @@
-// What imgtrain's own CPU kernels (norm_act, se_gate, optim_step) share: the SIMD clones of their
-// hot loops and, in CUDA builds, the check of a device launch's result.
+// What imgtrain's own CPU kernels (norm_act, se_gate, optim_step, attention) share: the SIMD clones
+// of their hot loops, 64-byte-aligned scratch, Cephes' expf coefficients and, in CUDA builds, the
+// check of a device launch's result.
 #pragma once
+
+#include <cstddef>
+#include <new>
+#include <vector>
 
 // The loops are plain C++ that the compiler vectorises; on x86-64 GCC builds each hot function
 // also gets AVX-512 and AVX2+FMA clones picked at load time (the baseline build is SSE2 only).
@@ -10,10 +15,6 @@
 #define IMGTRAIN_CLONES
 #endif
 #define IMGTRAIN_AI inline __attribute__((always_inline))
-
-#include <cstddef>
-#include <new>
-#include <vector>
 
 namespace imgtrain::ops {
 // Scratch whose vector loads never straddle two cache lines: a std::vector on 64-byte boundaries

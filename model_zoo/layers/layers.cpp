@@ -475,6 +475,12 @@ at::Tensor patch_conv_linear(const torch::nn::Conv2dImpl& conv, const at::Tensor
       .permute({0, 3, 1, 2});
 }
 
+at::Tensor patch_conv(torch::nn::Conv2dImpl& conv, const at::Tensor& x, PatchLinearCache* cache, bool fuse) {
+  if (fuse)
+    if (auto y = patch_conv_linear(conv, x, cache); y.defined()) return y;
+  return conv.forward(x);
+}
+
 ConvBnActImpl::ConvBnActImpl(int64_t in, int64_t out, int64_t k, int64_t stride, Act act_, const std::string& pad_type,
                              double bn_eps, bool skip, double drop_path_rate)
     : act(act_), has_skip(skip && stride == 1 && in == out), dpr(drop_path_rate) {

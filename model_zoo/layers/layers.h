@@ -146,6 +146,8 @@ struct PatchLinearCache {
   LinearPack pack;
 };
 at::Tensor patch_conv_linear(const torch::nn::Conv2dImpl& conv, const at::Tensor& x, PatchLinearCache* cache);
+// conv(x): through patch_conv_linear where `fuse` (inference fusion on, eval mode) and it applies.
+at::Tensor patch_conv(torch::nn::Conv2dImpl& conv, const at::Tensor& x, PatchLinearCache* cache, bool fuse);
 
 // A Linear as Python's nn.Linear (timm's) runs it: at::linear, which takes a contiguous input of
 // any rank as one addmm with the bias added inside the GEMM. torch::nn::Linear's C++ forward

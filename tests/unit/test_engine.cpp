@@ -605,22 +605,6 @@ bool same_bits(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& 
   return true;
 }
 
-// The names of the ops `f` calls on this thread (RecordFunction), to see which kernel ran.
-thread_local std::set<std::string>* g_op_names = nullptr;
-std::set<std::string> ops_called(const std::function<void()>& f) {
-  std::set<std::string> names;
-  g_op_names = &names;
-  auto handle = at::addThreadLocalCallback(at::RecordFunctionCallback(
-      [](const at::RecordFunction& r) -> std::unique_ptr<at::ObserverContext> {
-        if (g_op_names) g_op_names->insert(r.name());
-        return nullptr;
-      }));
-  f();
-  at::removeCallback(handle);
-  g_op_names = nullptr;
-  return names;
-}
-
 // How many times `f` calls each op on this thread (RecordFunction).
 thread_local std::map<std::string, int>* g_op_counts = nullptr;
 std::map<std::string, int> op_counts(const std::function<void()>& f) {
@@ -635,6 +619,13 @@ std::map<std::string, int> op_counts(const std::function<void()>& f) {
   at::removeCallback(handle);
   g_op_counts = nullptr;
   return counts;
+}
+
+// The names of the ops `f` calls on this thread, to see which kernel ran.
+std::set<std::string> ops_called(const std::function<void()>& f) {
+  std::set<std::string> names;
+  for (const auto& [name, n] : op_counts(f)) names.insert(name);
+  return names;
 }
 
 void fused_optimizers_agree(torch::Device dev, double tolerance_sgd) {
