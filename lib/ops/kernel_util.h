@@ -3,7 +3,10 @@
 // check of a device launch's result.
 #pragma once
 
+#include <algorithm>
+#include <bit>
 #include <cstddef>
+#include <cstdint>
 #include <new>
 #include <vector>
 
@@ -45,6 +48,29 @@ constexpr float ln2_lo = -2.12194440e-4f;  // ln(2) = ln2_hi + ln2_lo
 constexpr float p0 = 1.9875691500e-4f, p1 = 1.3981999507e-3f, p2 = 8.3334519073e-3f, p3 = 4.1665795894e-2f,
                 p4 = 1.6666665459e-1f, p5 = 5.0000001201e-1f;
 }  // namespace imgtrain::ops::cephes_expf
+
+namespace imgtrain::ops {
+// exp(x) within ~1 ulp for x in [-87, 88] (clamped there), Cephes' expf: n = floor(x log2 e + 1/2)
+// by truncation of a positive number, x - n ln 2 in two parts, a degree-6 polynomial, 2^n through
+// the exponent bits. No branches and no library call, so loops over it vectorise.
+IMGTRAIN_AI float exp_approx(float x) {
+  namespace ce = cephes_expf;
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const int32_t n = int32_t(x * ce::log2e + 0.5f + 128.0f) - 128;
+  const float fn = float(n);
+  float r = x - fn * ce::ln2_hi;
+  r = r - fn * ce::ln2_lo;
+  const float z = r * r;
+  float y = ce::p0;
+  y = y * r + ce::p1;
+  y = y * r + ce::p2;
+  y = y * r + ce::p3;
+  y = y * r + ce::p4;
+  y = y * r + ce::p5;
+  y = y * z + r + 1.0f;
+  return y * std::bit_cast<float>((n + 127) << 23);
+}
+}  // namespace imgtrain::ops
 
 #ifdef IMGTRAIN_WITH_CUDA
 #include <cuda_runtime.h>

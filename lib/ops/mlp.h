@@ -15,6 +15,13 @@ namespace imgtrain::ops {
 // image; the tiles are shared among the threads and each tile's ops run on one thread, ATen's own
 // (layer_norm, addmm, gelu_), so the values are those of the same ops on the whole tensor up to
 // the GEMM's blocking. No autograd: call it without gradients.
+// In place h = gelu(h + b), the exact (erf) GELU, for h [rows, cols] and b [cols]: the bias of a
+// linear computed as a plain product and its activation in one pass. Float32 rows with unit stride
+// take imgtrain's loop (erf as ATen's float kernel evaluates it, with a ~1 ulp exp: the values are
+// at::gelu(h + b)'s within float rounding), threaded over rows by at::parallel_for (the calling
+// thread alone inside a parallel region); anything else runs add_ and gelu_.
+void bias_gelu_(const at::Tensor& h, const at::Tensor& b);
+
 at::Tensor ln_mlp_residual_tiled(const at::Tensor& x, const at::Tensor& ln_w, const at::Tensor& ln_b, double eps,
                                  const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2,
                                  const at::Tensor& b2, const at::Tensor& residual, int64_t rows);

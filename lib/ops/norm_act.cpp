@@ -46,27 +46,6 @@ constexpr int64_t kRowBlock = 64;      // channels-last statistics: rows per flo
 constexpr int64_t kPlaneChunk = 1024;  // NCHW statistics: elements per float partial sum
 constexpr int kLanes = 16;             // independent float accumulators along a plane
 
-// exp(x) within ~1 ulp for x in [-87, 88] (clamped there), Cephes' expf: n = floor(x log2 e + 1/2)
-// by truncation of a positive number, x - n ln 2 in two parts, a degree-6 polynomial, 2^n through
-// the exponent bits. No branches and no library call, so loops over it vectorise.
-IMGTRAIN_AI float exp_approx(float x) {
-  namespace ce = cephes_expf;
-  x = std::min(std::max(x, -87.0f), 88.0f);
-  const int32_t n = int32_t(x * ce::log2e + 0.5f + 128.0f) - 128;
-  const float fn = float(n);
-  float r = x - fn * ce::ln2_hi;
-  r = r - fn * ce::ln2_lo;
-  const float z = r * r;
-  float y = ce::p0;
-  y = y * r + ce::p1;
-  y = y * r + ce::p2;
-  y = y * r + ce::p3;
-  y = y * r + ce::p4;
-  y = y * r + ce::p5;
-  y = y * z + r + 1.0f;
-  return y * std::bit_cast<float>((n + 127) << 23);
-}
-
 // exp in the element type: the approximation for float, the library's for double (the double
 // path exists to check the fused layers against torch's modules with float64 exactness)
 IMGTRAIN_AI float exp_t(float x) { return exp_approx(x); }
