@@ -61,6 +61,25 @@ inline std::string read_file(const std::string& path) {
   return ss.str();
 }
 
+// What f writes to this process's stderr (file descriptor 2, so C stdio and libraries' writes
+// too) while it runs; an exception from f is caught and dropped. `dir`: a folder for the sink file.
+inline std::string stderr_of(const std::function<void()>& f, const TempDir& dir) {
+  const std::string sink_path = dir / "stderr-of.txt";
+  std::fflush(stderr);
+  const int saved = dup(2);
+  FILE* sink = std::fopen(sink_path.c_str(), "w");
+  dup2(fileno(sink), 2);
+  try {
+    f();
+  } catch (...) {
+  }
+  std::fflush(stderr);
+  dup2(saved, 2);
+  close(saved);
+  std::fclose(sink);
+  return read_file(sink_path);
+}
+
 struct RunResult {
   int code;
   std::string output;  // stdout and stderr together

@@ -12,6 +12,7 @@
 #include "io/weights.h"
 #include "model_zoo/registry.h"
 #include "tasks/detection/coco_eval.h"
+#include "tasks/tasks.h"
 
 #include <torch/torch.h>
 
@@ -161,13 +162,12 @@ int export_weights(const std::vector<std::string>& args) {
       throw UserError(fmt::format("'{}': metadata 'arch' is '{}', a model imgtrain does not know (`imgtrain models` "
                                   "lists them)",
                                   ckpt, m.arch));
-    ModelArgs margs;
-    if (m.num_classes) margs.num_classes = *m.num_classes;
-    if (m.in_chans) margs.in_chans = *m.in_chans;
-    if (m.img_size) margs.img_size = *m.img_size;
-    if (m.global_pool) margs.global_pool = *m.global_pool;
-    margs.global_pool_from = fmt::format("'{}': metadata 'global_pool'", ckpt);
-    auto model = model_zoo::create_module(m.arch, margs);
+    auto meta = m;
+    if (!meta.num_classes) {  // a timm checkpoint with 'arch' and no 'args': its classifier says
+      const auto* fc = ck.tensors().find(prefix + model_zoo::model_defaults(m.arch).classifier + ".weight");
+      if (fc && fc->dim() >= 1) meta.num_classes = fc->size(0);
+    }
+    auto model = tasks::module_from_meta(meta, ckpt);
     ck.load_prefixed(*model, prefix);
   }
   std::vector<std::pair<std::string, at::Tensor>> tensors;

@@ -63,7 +63,7 @@ std::string update_count(double v) { return v >= 0 && v <= 1e9 ? "" : "an intege
 const std::vector<Flag>& flags() {
   static const std::vector<Flag> f = {
       // model
-      {"model", "", &Config::model, "Name of model to train (see `imgtrain models`)", ALL},
+      {"model", "", &Config::model, "Name of the model (see `imgtrain models`)", ALL},
       {"pretrained", "", &Config::pretrained,
        "Start from timm's pretrained weights in the Hugging Face cache (offline; --model name.tag picks a tag)", BOTH},
       {"pretrained-path", "", &Config::pretrained_path,

@@ -60,6 +60,20 @@ CocoDetection::CocoDetection(std::string image_dir, const std::string& ann_file,
   if (removed_)
     warnings_.push_back(fmt::format("{}: {} of {} images have no usable annotation and are left out of training",
                                     ann_file, removed_, gt_.images.size()));
+  if (opt_.masks && opt_.train) {  // Mask R-CNN would learn an empty mask for such objects
+    size_t unmasked = 0;
+    int64_t first = 0;
+    for (uint32_t pos : ids_)
+      for (uint32_t a : gt_.image_annotations(gt_.images[pos].id)) {
+        const auto& ann = gt_.annotations[a];
+        if (ann.iscrowd || ann.seg != coco::SegKind::none || label_of_category(ann.category_id) < 0) continue;
+        if (!unmasked++) first = ann.id;
+      }
+    if (unmasked)
+      warnings_.push_back(fmt::format("{}: {} annotation(s) have no segmentation (missing, empty or unreadable): their "
+                                      "mask targets are empty (first: id {})",
+                                      ann_file, unmasked, first));
+  }
   if (ids_.empty()) throw UserError(fmt::format("{}: no images to {}", ann_file, opt_.train ? "train on" : "evaluate"));
 }
 

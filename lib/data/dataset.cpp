@@ -581,12 +581,21 @@ class ImageFolder : public Dataset {
     for (auto& c : classes_)
       if (auto id = folder_id(fs::path(folder_) / c)) tops.insert(*id);
     parallel_for(classes_.size(), 16, [&](size_t c) { found[c] = scan_class(fs::path(folder_) / classes_[c], tops); });
-    std::vector<std::string> links;
+    // A folder with no image files is not a class (timm's reader labels images, not folders): it
+    // would shift every later label and widen the classifier. Its directories stay in dirs_, so
+    // the scan cache notices an image added to it.
+    std::vector<std::string> links, kept, empty;
     for (size_t c = 0; c < classes_.size(); ++c) {
-      for (auto& f : found[c].files) samples_.emplace_back(std::move(f), int64_t(c));
+      (found[c].files.empty() ? empty : kept).push_back(classes_[c]);
+      for (auto& f : found[c].files) samples_.emplace_back(std::move(f), int64_t(kept.size()) - 1);
       for (auto& d : found[c].dirs) dirs_.push_back(std::move(d));
       for (auto& l : found[c].skipped_links) links.push_back(std::move(l));
     }
+    if (!kept.empty() && !empty.empty())
+      log::warn("{}: {} subfolder(s) hold no images (jpg, jpeg, png, bmp, webp, gif) and are not classes, as in timm "
+                "(first: {})",
+                folder_, empty.size(), empty.front());
+    classes_ = std::move(kept);
     if (!links.empty())
       log::warn("{}: {} linked folder(s) lead back into the split or into another class and were skipped (first: {})",
                 folder_, links.size(), links.front());

@@ -362,6 +362,25 @@ TaskSetup detection_validate_setup(const cli::Config& given, const engine::Check
 
 }  // namespace
 
+std::shared_ptr<torch::nn::Module> module_from_meta(const engine::CheckpointMeta& m, const std::string& what) {
+  if (model_zoo::model_task(m.arch) == "detection") {
+    model_zoo::detection::RCNNOptions o;
+    if (m.num_classes) o.num_classes = *m.num_classes;
+    if (m.fpn_channels) o.fpn_channels = *m.fpn_channels;
+    if (m.box_head_dim) o.box_head_dim = *m.box_head_dim;
+    if (m.mask_head_dim) o.mask_head_dim = *m.mask_head_dim;
+    if (m.mask_head_convs) o.mask_head_convs = *m.mask_head_convs;
+    return model_zoo::detection::create_rcnn(m.arch, o).ptr();
+  }
+  ModelArgs margs;
+  if (m.num_classes) margs.num_classes = *m.num_classes;
+  if (m.in_chans) margs.in_chans = *m.in_chans;
+  if (m.img_size) margs.img_size = *m.img_size;
+  if (m.global_pool) margs.global_pool = *m.global_pool;
+  margs.global_pool_from = fmt::format("'{}': metadata 'global_pool'", what);
+  return model_zoo::create_module(m.arch, margs);
+}
+
 cli::Config with_model_defaults(const cli::Config& given, const std::string& arch_or_empty) {
   const std::string arch = arch_or_empty.empty() ? given.model : arch_or_empty;
   if (model_zoo::model_task(arch) != "detection") return given;

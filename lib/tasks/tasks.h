@@ -41,4 +41,10 @@ cli::Config with_model_defaults(const cli::Config& cfg, const std::string& arch 
 // only the evaluation split and transform are set.
 TaskSetup create_validate_task(const cli::Config& cfg, const engine::CheckpointMeta* meta);
 
+// The module a checkpoint's metadata describes, to check its weights against (`imgtrain export`):
+// its arch, classes, channels, input size and pooling, and for a detector the widths it was
+// trained with (--fpn-channels, --box-head-dim, --mask-head-dim, --mask-head-convs). `what` names
+// the checkpoint in errors.
+std::shared_ptr<torch::nn::Module> module_from_meta(const engine::CheckpointMeta& m, const std::string& what);
+
 }  // namespace imgtrain::tasks

@@ -1125,6 +1125,23 @@ TEST_CASE("a checkpoint's bad metadata is blamed on the checkpoint, not on a fla
   auto n = test::run(kBin + " export --checkpoint " + (d / "nan.safetensors") + " --out " + (d / "y.safetensors"));
   expect_user_error(n, "tensor '" + sd[3].first + "' holds NaN or infinite values");
   CHECK_FALSE(fs::exists(d / "y.safetensors"));
+  // an 'arch' without the class count (timm's checkpoints hold 'arch' and 'args', or only 'arch'):
+  // the classifier's rows give it, so a 10-class resnet18 is checked as one and exported
+  ModelArgs a3;
+  a3.num_classes = 10;
+  auto rgb = model_zoo::create_module("resnet18", a3);
+  io::save_safetensors(d / "arch_only.safetensors", io::state_dict(*rgb), {{"arch", "resnet18"}});
+  auto ao = test::run(kBin + " export --checkpoint " + (d / "arch_only.safetensors") + " --out " + (d / "z.safetensors"));
+  INFO(ao.output);
+  CHECK(ao.code == 0);
+  CHECK(io::load_safetensors(d / "z.safetensors").find("fc.weight")->size(0) == 10);
+  // ... and a tensor that does not fit the architecture is still refused
+  auto bad = io::state_dict(*rgb);
+  bad[0].second = torch::zeros({3, 3});
+  io::save_safetensors(d / "arch_bad.safetensors", bad, {{"arch", "resnet18"}});
+  expect_user_error(test::run(kBin + " export --checkpoint " + (d / "arch_bad.safetensors") + " --out " +
+                              (d / "w.safetensors")),
+                    "wrong shape " + bad[0].first);
 }
 
 TEST_CASE("every recipe in configs/ parses and trains (shrunk to a few steps on small images)", "[integration]") {
@@ -1345,6 +1362,16 @@ TEST_CASE("Mask R-CNN trains on COCO data, logs its losses, resumes exactly and 
     ++compared;
   }
   CHECK(compared > 100);
+
+  // export checks the weights against the widths the checkpoint records (not the builder's defaults)
+  auto ex = test::run(kBin + " export --checkpoint " + run + "/last.safetensors --out " + (out / "det.safetensors"));
+  INFO(ex.output);
+  REQUIRE(ex.code == 0);
+  const auto exported = io::load_safetensors(out / "det.safetensors");
+  CHECK(int(exported.tensors.size()) == compared);
+  REQUIRE(exported.find("backbone.fpn.inner_blocks.0.0.weight"));
+  CHECK(exported.find("backbone.fpn.inner_blocks.0.0.weight")->size(0) == 64);
+  CHECK(torch::equal(*exported.find("roi_heads.mask_head.1.0.weight"), *a.find("model.roi_heads.mask_head.1.0.weight")));
 
   // validate reproduces the last epoch's numbers, and pycocotools scores the written detections the same
   auto v = test::run(kBin + " validate --checkpoint " + run + "/last.safetensors --dataset coco --data-dir " + data +

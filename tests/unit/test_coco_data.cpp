@@ -114,6 +114,21 @@ TEST_CASE("COCO training view: torchvision's filtering, id order, contiguous lab
   // an explicit (images, json) pair
   auto pair = open_coco("", f.dir / "train2017", f.dir / "annotations/instances_train2017.json", {});
   CHECK(pair->size() == 4);
+  for (auto& w : pair->warnings()) CHECK(w.find("no segmentation") == std::string::npos);
+
+  // annotations without a segmentation (no key; an empty list): counted where masks are trained
+  auto j = nlohmann::json::parse(test::read_file(f.dir / "annotations/instances_train2017.json"));
+  for (auto& a : j["annotations"]) {
+    if (a["id"] == 4) a["segmentation"] = nlohmann::json::array();
+    if (a["id"] == 7) a.erase("segmentation");
+  }
+  test::write_file(f.dir / "annotations/unmasked.json", j.dump());
+  auto unmasked = open_coco("", f.dir / "train2017", f.dir / "annotations/unmasked.json", {});
+  CHECK_THAT(unmasked->warnings().back(), Catch::Contains("2 annotation(s) have no segmentation") &&
+                                              Catch::Contains("mask targets are empty (first: id 4)"));
+  CHECK(coco::rle_area(unmasked->target(0).masks.at(0)) == 0);  // image 3's annotation 4
+  auto boxes_only = open_coco("", f.dir / "train2017", f.dir / "annotations/unmasked.json", {.masks = false});
+  for (auto& w : boxes_only->warnings()) CHECK(w.find("no segmentation") == std::string::npos);
 }
 
 TEST_CASE("a polygon far outside any image keeps its box and loses its mask, instead of stopping the evaluator",

@@ -131,6 +131,23 @@ TEST_CASE("ImageFolder scans classes, nested files and extensions", "[data][fold
   for (size_t i = 0; i < ds->size(); ++i) labels.push_back(ds->label(i));
   CHECK(labels == std::vector<int64_t>{0, 0, 1, 2});
   CHECK(ds->image(3).channels() == 3);
+  // a subfolder without images is not a class (timm labels images, not folders), with a warning
+  std::filesystem::create_directories(d / "train/aardvark");
+  std::filesystem::create_directories(d / "train/kiwi/sub");
+  test::write_file(d / "train/kiwi/readme.txt", "no images here");
+  std::shared_ptr<Dataset> with_empty;
+  const auto err = test::stderr_of([&] { with_empty = create_dataset("", d.path.string(), "train"); }, d);
+  REQUIRE(with_empty);
+  CHECK(with_empty->class_names() == std::vector<std::string>{"apple", "mango", "zebra"});
+  std::vector<int64_t> labels2;
+  for (size_t i = 0; i < with_empty->size(); ++i) labels2.push_back(with_empty->label(i));
+  CHECK(labels2 == labels);
+  CHECK_THAT(err, Catch::Contains("2 subfolder(s) hold no images") && Catch::Contains("(first: aardvark)"));
+  CHECK(std::count(err.begin(), err.end(), '\n') == 1);
+  // an image added to an empty folder makes it a class again
+  test::write_file(d / "train/aardvark/e.png", png);
+  CHECK(create_dataset("", d.path.string(), "train")->class_names() ==
+        std::vector<std::string>{"aardvark", "apple", "mango", "zebra"});
 }
 
 TEST_CASE("ImageFolder follows folder links once: loops and links into other classes are skipped", "[data][folder][fault]") {
@@ -255,20 +272,20 @@ TEST_CASE("split folder synonyms and empty splits", "[data][folder]") {
              Catch::Contains("no images") && Catch::Contains("empty/eval"));
   CHECK_THAT(user_error([&] { create_dataset("", d / "missing", "train"); }), Catch::Contains("missing"));
   // a split that is not there, beside ones that are: the folder itself is read (as timm), with a warning
-  std::fflush(stderr);
-  const int saved = dup(2);
-  FILE* sink = std::fopen((d / "err.txt").c_str(), "w");
-  dup2(fileno(sink), 2);
-  const auto whole = create_dataset("", d.path.string(), "nosuch");
-  const auto quiet = create_dataset("", d / "val", "nosuch");  // a plain class folder: no warning
-  std::fflush(stderr);
-  dup2(saved, 2);
-  close(saved);
-  std::fclose(sink);
-  const auto err = test::read_file(d / "err.txt");
+  std::shared_ptr<Dataset> whole, quiet;
+  const auto err = test::stderr_of(
+      [&] {
+        whole = create_dataset("", d.path.string(), "nosuch");
+        quiet = create_dataset("", d / "val", "nosuch");  // a plain class folder: no warning
+      },
+      d);
+  REQUIRE(whole);
   CHECK_THAT(err, Catch::Contains("has no 'nosuch' split folder") && Catch::Contains("(training, val)"));
-  CHECK(std::count(err.begin(), err.end(), '\n') == 1);
+  // and the image-less 'empty' folder is no class
+  CHECK_THAT(err, Catch::Contains("1 subfolder(s) hold no images") && Catch::Contains("(first: empty)"));
+  CHECK(std::count(err.begin(), err.end(), '\n') == 2);
   CHECK(whole->size() == 2);  // val/a/x.png and training/a/x.png as two classes
+  CHECK(whole->class_names() == std::vector<std::string>{"training", "val"});
   CHECK_THAT(user_error([&] { create_dataset("", "", "train"); }), Catch::Contains("--data-dir"));
 }
 
@@ -346,27 +363,20 @@ TEST_CASE("decode errors say what is wrong in words, and libpng's chatter stays 
   const std::string iccp = png_chunk("iCCP", std::string("sRGB\0\0", 6) + std::string(z.begin(), z.begin() + long(zlen)));
   const size_t after_ihdr = 8 + 25;  // signature, then IHDR (13 bytes of data + 12)
   const std::string with_iccp = png.substr(0, after_ihdr) + iccp + png.substr(after_ihdr);
-  std::fflush(stderr);
   test::TempDir d("stderr");
-  const int saved = dup(2);
-  FILE* sink = std::fopen((d / "err.txt").c_str(), "w");
-  dup2(fileno(sink), 2);
   cv::Mat out;
-  try {
-    out = decode_image(with_iccp, "icc.png");
-  } catch (...) {
-  }
-  for (size_t cut : {size_t(40), png.size() / 2, png.size() - 13}) {  // libpng would say "input buffer is incomplete"
-    try {
-      decode_image(png.substr(0, cut), "cut.png");
-    } catch (const DecodeError&) {
-    }
-  }
-  std::fflush(stderr);
-  dup2(saved, 2);
-  close(saved);
-  std::fclose(sink);
-  CHECK(test::read_file(d / "err.txt") == "");
+  const auto err = test::stderr_of(
+      [&] {
+        out = decode_image(with_iccp, "icc.png");
+        for (size_t cut : {size_t(40), png.size() / 2, png.size() - 13}) {  // libpng: "input buffer is incomplete"
+          try {
+            decode_image(png.substr(0, cut), "cut.png");
+          } catch (const DecodeError&) {
+          }
+        }
+      },
+      d);
+  CHECK(err == "");
   REQUIRE(out.rows == 5);
   CHECK(out.at<cv::Vec3b>(2, 3) == cv::Vec3b(30, 20, 10));  // RGB
 }
