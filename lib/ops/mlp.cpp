@@ -50,42 +50,111 @@ struct Tiles {
 
 // erf(x) as ATen's float CPU kernels evaluate it (Vectorized<float>::erf: Abramowitz and Stegun
 // 7.1.26, |error| < 1.5e-7, the same constants and order of operations), with exp_approx for
-// Sleef's exp: 1 - t r(t) exp(-x^2) with t = 1 / (1 + p |x|), signed as x.
-IMGTRAIN_AI float erf_as_aten(float x) {
+// Sleef's exp: 1 - t r(t) exp(-x^2) with t = 1 / (1 + p |x|), signed as x. Also returns exp(-x^2),
+// which at x = v / sqrt 2 is the exponent of GELU's derivative's normal density.
+struct ErfParts {
+  float erf, e;
+};
+IMGTRAIN_AI ErfParts erf_parts(float x) {
   const float t = 1.0f / (0.3275911f * std::fabs(x) + 1.0f);
   float r = 1.061405429f * t + -1.453152027f;
   r = r * t + 1.421413741f;
   r = r * t + -0.284496736f;
   r = r * t + 0.254829592f;
-  return std::copysign(1.0f - r * t * exp_approx(-(x * x)), x);
+  const float e = exp_approx(-(x * x));
+  return {std::copysign(1.0f - r * t * e, x), e};
 }
 
-// rows x cols floats at row stride ld: p = gelu(p + b), GELU as ATen's: x / 2 (1 + erf(x / sqrt 2))
-IMGTRAIN_CLONES void bias_gelu_rows(float* p, int64_t rows, int64_t cols, int64_t ld, const float* b) {
-  constexpr float kAlpha = float(M_SQRT1_2);
+// GELU as ATen's: v / 2 (1 + erf(v / sqrt 2)); its derivative cdf + v pdf, pdf = exp(-v^2 / 2) / sqrt(2 pi)
+constexpr float kAlpha = float(M_SQRT1_2), kBeta = float(M_2_SQRTPI * M_SQRT1_2 * 0.5);
+IMGTRAIN_AI float gelu_of(float v, float erf) { return v * 0.5f * (1.0f + erf); }
+
+// The loops, over `rows` rows of `cols` floats at the given row strides:
+// p = gelu(p + b)
+IMGTRAIN_CLONES void bias_gelu_rows(float* p, int64_t ld, int64_t rows, int64_t cols, const float* b) {
   for (int64_t i = 0; i < rows; ++i, p += ld)
     for (int64_t j = 0; j < cols; ++j) {
       const float v = p[j] + b[j];
-      p[j] = v * 0.5f * (1.0f + erf_as_aten(v * kAlpha));
+      p[j] = gelu_of(v, erf_parts(v * kAlpha).erf);
     }
+}
+// h = h + b, a = gelu(h)
+IMGTRAIN_CLONES void bias_gelu_keep_rows(float* h, int64_t ldh, float* a, int64_t lda, int64_t rows, int64_t cols,
+                                         const float* b) {
+  for (int64_t i = 0; i < rows; ++i, h += ldh, a += lda)
+    for (int64_t j = 0; j < cols; ++j) {
+      const float v = h[j] + b[j];
+      h[j] = v;
+      a[j] = gelu_of(v, erf_parts(v * kAlpha).erf);
+    }
+}
+// a = gelu(h), d = d gelu'(h): one erf and one exp for both
+IMGTRAIN_CLONES void gelu_grad_rows(const float* h, int64_t ldh, float* a, int64_t lda, float* d, int64_t ldd,
+                                    int64_t rows, int64_t cols) {
+  for (int64_t i = 0; i < rows; ++i, h += ldh, a += lda, d += ldd)
+    for (int64_t j = 0; j < cols; ++j) {
+      const float v = h[j];
+      const auto [erf, e] = erf_parts(v * kAlpha);
+      a[j] = gelu_of(v, erf);
+      d[j] = d[j] * (0.5f * (1.0f + erf) + v * (kBeta * e));
+    }
+}
+
+// Whether the loops take these: float32 CPU matrices of one shape with unit column stride, and a
+// contiguous bias row of their width
+bool rows_ok(std::initializer_list<const at::Tensor*> ms, const at::Tensor* b) {
+  const auto& m0 = **ms.begin();
+  for (auto* m : ms)
+    if (m->dim() != 2 || m->scalar_type() != at::kFloat || !m->device().is_cpu() || m->sizes() != m0.sizes() ||
+        m->stride(1) != 1)
+      return false;
+  return !b || (b->dim() == 1 && b->scalar_type() == at::kFloat && b->device().is_cpu() && b->is_contiguous() &&
+                b->size(0) == m0.size(1));
+}
+// f(first row, row count) over the rows, on at::parallel_for's threads (the caller's alone inside
+// a parallel region)
+template <typename F>
+void over_rows(const at::Tensor& m, F f) {
+  at::parallel_for(0, m.size(0), std::max<int64_t>(1, 16384 / std::max<int64_t>(m.size(1), 1)),
+                   [&](int64_t r0, int64_t r1) { f(r0, r1 - r0); });
+}
+template <typename T = float>
+T* row(const at::Tensor& m, int64_t r) {
+  return m.data_ptr<T>() + r * m.stride(0);
 }
 
 }  // namespace
 
 void bias_gelu_(const at::Tensor& h, const at::Tensor& b) {
-  TORCH_CHECK(h.dim() == 2 && b.dim() == 1 && b.size(0) == h.size(1) && h.scalar_type() == b.scalar_type() &&
-                  h.device().is_cpu() && b.device().is_cpu(),
-              "bias_gelu_: h [rows, cols] and b [cols] on the CPU, one dtype");
-  if (h.scalar_type() != at::kFloat || h.stride(1) != 1 || !b.is_contiguous()) {
+  TORCH_CHECK(h.dim() == 2 && b.dim() == 1 && b.size(0) == h.size(1), "bias_gelu_: h [rows, cols] and b [cols]");
+  if (!rows_ok({&h}, &b)) {
     at::gelu_(h.add_(b));
     return;
   }
-  float* p = h.data_ptr<float>();
-  const float* bp = b.data_ptr<float>();
-  const int64_t cols = h.size(1), ld = h.stride(0);
-  at::parallel_for(0, h.size(0), std::max<int64_t>(1, 16384 / std::max<int64_t>(cols, 1)), [&](int64_t r0, int64_t r1) {
-    bias_gelu_rows(p + r0 * ld, r1 - r0, cols, ld, bp);
+  over_rows(h, [&](int64_t r0, int64_t n) { bias_gelu_rows(row(h, r0), h.stride(0), n, h.size(1), b.data_ptr<float>()); });
+}
+
+at::Tensor bias_gelu_keep_(const at::Tensor& h, const at::Tensor& b) {
+  TORCH_CHECK(h.dim() == 2 && b.dim() == 1 && b.size(0) == h.size(1), "bias_gelu_keep_: h [rows, cols] and b [cols]");
+  if (!rows_ok({&h}, &b)) return at::gelu(h.add_(b));
+  auto a = at::empty(h.sizes(), h.options());
+  over_rows(h, [&](int64_t r0, int64_t n) {
+    bias_gelu_keep_rows(row(h, r0), h.stride(0), row(a, r0), a.stride(0), n, h.size(1), b.data_ptr<float>());
   });
+  return a;
+}
+
+at::Tensor gelu_grad_(const at::Tensor& h, const at::Tensor& d) {
+  TORCH_CHECK(h.dim() == 2 && d.sizes() == h.sizes(), "gelu_grad_: h and d [rows, cols]");
+  if (!rows_ok({&h, &d}, nullptr)) {
+    d.copy_(at::gelu_backward(d, h));
+    return at::gelu(h);
+  }
+  auto a = at::empty(h.sizes(), h.options());
+  over_rows(h, [&](int64_t r0, int64_t n) {
+    gelu_grad_rows(row(h, r0), h.stride(0), row(a, r0), a.stride(0), row(d, r0), d.stride(0), n, h.size(1));
+  });
+  return a;
 }
 
 at::Tensor ln_mlp_residual_tiled(const at::Tensor& x, const at::Tensor& ln_w, const at::Tensor& ln_b, double eps,
@@ -141,12 +210,15 @@ struct LnMlpTrainFunction : torch::autograd::Function<LnMlpTrainFunction> {
     at::parallel_for(0, tl.count(), 1, [&](int64_t t0, int64_t t1) {
       c10::AutoGradMode no_grad(false);  // thread-local: OpenMP's threads start with autograd on
       for (int64_t t = t0; t < t1; ++t) {
+        // as the inference tiles: fc1's bias added in GELU's pass, fc2 accumulated into the
+        // residual plus its (scaled) bias
         auto h = tl.rows_of(hs, t);
-        at::addmm_out(h, b1, at::layer_norm(tl.of(x, t), {C}, ln_w, ln_b, eps), w1t);
+        at::mm_out(h, at::layer_norm(tl.of(x, t), {C}, ln_w, ln_b, eps), w1t);
+        const auto a = bias_gelu_keep_(h, b1);
         auto o = tl.of(out, t);
-        at::addmm_out(o, b2f, at::gelu(h), w2ft);
-        if (!sv.empty()) o.mul_(sv[size_t(tl.image(t))]);
-        o.add_(tl.of(residual, t));
+        const double s = sv.empty() ? 1.0 : sv[size_t(tl.image(t))];
+        at::add_out(o, tl.of(residual, t), b2f, s);
+        o.addmm_(a, w2ft, 1.0, s);
       }
     });
     ctx->save_for_backward({x, ln_w, ln_b, w1, w2, b2, gamma, scale, hs});
@@ -183,9 +255,10 @@ struct LnMlpTrainFunction : torch::autograd::Function<LnMlpTrainFunction> {
           const auto xt = tl.of(x, t);
           const auto h = tl.rows_of(hs, t);
           const auto [xn, mean, rstd] = at::native_layer_norm(xt, {C}, ln_w, ln_b, eps);
-          agw2.addmm_(gt.t(), at::gelu(h));  // fc2's weight gradient before gamma: g^T gelu(h)
+          const auto dh = at::mm(gt, w2f);
+          const auto a = gelu_grad_(h, dh);  // dh = gelu'(h) (g W2f), a = gelu(h)
+          agw2.addmm_(gt.t(), a);            // fc2's weight gradient before gamma: g^T gelu(h)
           ac.select(0, 0).add_(gt.sum(0));
-          const auto dh = at::gelu_backward(at::mm(gt, w2f), h);
           aw1.addmm_(dh.t(), xn);
           ab1.add_(dh.sum(0));
           const auto [dxt, dlw, dlb] =

@@ -21,6 +21,12 @@ namespace imgtrain::ops {
 // at::gelu(h + b)'s within float rounding), threaded over rows by at::parallel_for (the calling
 // thread alone inside a parallel region); anything else runs add_ and gelu_.
 void bias_gelu_(const at::Tensor& h, const at::Tensor& b);
+// For training, which keeps the pre-activation: h += b in place, and gelu(h) returned (a new
+// contiguous tensor). The same loop and conditions.
+at::Tensor bias_gelu_keep_(const at::Tensor& h, const at::Tensor& b);
+// GELU's backward with its forward recomputed: d *= gelu'(h) in place (ATen's gelu_backward,
+// cdf + h pdf), and gelu(h) returned; one erf and one exp a value for both. h and d [rows, cols].
+at::Tensor gelu_grad_(const at::Tensor& h, const at::Tensor& d);
 
 at::Tensor ln_mlp_residual_tiled(const at::Tensor& x, const at::Tensor& ln_w, const at::Tensor& ln_b, double eps,
                                  const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2,

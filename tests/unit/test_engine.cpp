@@ -1200,7 +1200,7 @@ model_zoo::Model convnext_tiny_scaled() {
 }
 }  // namespace
 
-TEST_CASE("bias_gelu_ adds the bias and applies the exact GELU in place, as close to float64 as ATen's gelu",
+TEST_CASE("bias_gelu_, bias_gelu_keep_ and gelu_grad_: the exact GELU and its gradient as close to float64 as ATen's",
           "[ops]") {
   torch::manual_seed(5);
   // values over GELU's whole range: the tails (erf within rounding of -1 and 1), zero, large inputs
@@ -1237,6 +1237,33 @@ TEST_CASE("bias_gelu_ adds the bias and applies the exact GELU in place, as clos
   auto empty = torch::zeros({0, 200});
   ops::bias_gelu_(empty, b);
   CHECK_THROWS(ops::bias_gelu_(h, torch::randn({199})));
+
+  // training's two: h += b keeping h, gelu(h) returned; and the backward d *= gelu'(h) with gelu(h)
+  auto keep = base.clone();
+  const auto a = ops::bias_gelu_keep_(keep, b);
+  CHECK(keep.equal(base + b));
+  CHECK(((a - want).abs() / scale.to(torch::kFloat)).max().item<double>() < 1e-6);
+  const auto dy = torch::randn(base.sizes());
+  const auto x = base + b;
+  const auto grad_truth = at::gelu_backward(dy.to(torch::kDouble), x.to(torch::kDouble));
+  const auto grad_aten = at::gelu_backward(dy, x);
+  auto d = dy.clone();
+  const auto a2 = ops::gelu_grad_(x, d);
+  CHECK(a2.equal(a));  // the same arithmetic for the forward in both
+  const auto gscale = 1.0 + dy.abs().to(torch::kDouble) * (1.0 + x.abs().to(torch::kDouble));
+  const double gerr_ours = ((d.to(torch::kDouble) - grad_truth).abs() / gscale).max().item<double>();
+  const double gerr_aten = ((grad_aten.to(torch::kDouble) - grad_truth).abs() / gscale).max().item<double>();
+  INFO("gradient's relative error: ours " << gerr_ours << ", ATen's " << gerr_aten);
+  CHECK(gerr_ours <= 1.5 * gerr_aten + 1e-9);
+  CHECK(((d - grad_aten).abs() / gscale.to(torch::kFloat)).max().item<double>() < 1e-6);
+  // float64 and strided inputs through ATen's ops
+  auto dd = dy.to(torch::kDouble);
+  CHECK(ops::gelu_grad_(x.to(torch::kDouble), dd).equal(at::gelu(x.to(torch::kDouble))));
+  CHECK(dd.equal(at::gelu_backward(dy.to(torch::kDouble), x.to(torch::kDouble))));
+  auto dt = dy.t().contiguous().t();
+  ops::gelu_grad_(x, dt);
+  CHECK(((dt - grad_aten).abs() / gscale.to(torch::kFloat)).max().item<double>() < 1e-6);
+  CHECK_THROWS(ops::gelu_grad_(x, torch::zeros({3, 3})));
 }
 
 TEST_CASE("inference: ConvNeXt's first stages run LayerNorm, MLP and residual on tiles of pixels, equal within rounding",
