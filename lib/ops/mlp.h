@@ -9,12 +9,6 @@
 
 namespace imgtrain::ops {
 
-// out[n, h, w] = residual[n, h, w] + gelu(layer_norm(x[n, h, w]) W1^T + b1) W2^T + b2 for x and
-// residual [N, H, W, C] (any strides; ConvNeXt's NCHW maps permuted), W1 [D, C], W2 [C, D], GELU
-// the exact (erf) one. Returns a contiguous [N, H, W, C] tensor. Each tile is `rows` pixels of one
-// image; the tiles are shared among the threads and each tile's ops run on one thread, ATen's own
-// (layer_norm, addmm, gelu_), so the values are those of the same ops on the whole tensor up to
-// the GEMM's blocking. No autograd: call it without gradients.
 // In place h = gelu(h + b), the exact (erf) GELU, for h [rows, cols] and b [cols]: the bias of a
 // linear computed as a plain product and its activation in one pass. Float32 rows with unit stride
 // take imgtrain's loop (erf as ATen's float kernel evaluates it, with a ~1 ulp exp: the values are
@@ -28,6 +22,13 @@ at::Tensor bias_gelu_keep_(const at::Tensor& h, const at::Tensor& b);
 // cdf + h pdf), and gelu(h) returned; one erf and one exp a value for both. h and d [rows, cols].
 at::Tensor gelu_grad_(const at::Tensor& h, const at::Tensor& d);
 
+// out[n, h, w] = residual[n, h, w] + gelu(layer_norm(x[n, h, w]) W1^T + b1) W2^T + b2 for x and
+// residual [N, H, W, C] (any strides; ConvNeXt's NCHW maps permuted), W1 [D, C], W2 [C, D], GELU
+// the exact (erf) one. Returns a contiguous [N, H, W, C] tensor. Each tile is `rows` pixels of one
+// image; the tiles are shared among the threads and each tile's ops run on one thread: ATen's
+// layer_norm, fc1 as mm with bias_gelu_ after it, fc2 accumulated by addmm_ into residual + b2, so
+// the values are those of the modules up to float rounding (the GEMMs' blocking, the order of the
+// bias and residual adds, GELU's exp). No autograd: call it without gradients.
 at::Tensor ln_mlp_residual_tiled(const at::Tensor& x, const at::Tensor& ln_w, const at::Tensor& ln_b, double eps,
                                  const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2,
                                  const at::Tensor& b2, const at::Tensor& residual, int64_t rows);
@@ -35,8 +36,9 @@ at::Tensor ln_mlp_residual_tiled(const at::Tensor& x, const at::Tensor& ln_w, co
 // Training: out = residual + scale[n] * gamma * (gelu(layer_norm(x) W1^T + b1) W2^T + b2), the same
 // MLP on tiles as one autograd function (ConvNeXt's block after its depthwise convolution, with its
 // layer scale `gamma` [C] and timm's drop path as the per-image `scale` [N], undefined for none).
-// Forward: per tile, LayerNorm, fc1 into the one saved tensor (fc1's output, [N, H*W, D]), GELU and
-// fc2 (gamma folded into its weight and bias) in cache. Backward: per tile, GELU and LayerNorm
+// Forward: per tile, LayerNorm, fc1 into the one saved tensor (fc1's output, [N, H*W, D]), its bias
+// and GELU in one pass (bias_gelu_keep_), fc2 (gamma folded into its weight and bias) accumulated
+// into the residual, in cache. Backward: per tile, GELU with its gradient (gelu_grad_) and LayerNorm
 // recomputed in cache, the input gradients through the same GEMMs, and the weight gradients summed
 // over the tiles of fixed groups of tiles and then over the groups in order, so a run's bits do not
 // depend on the thread count. The modules' autograd saves and reads back four full-size tensors per
