@@ -386,6 +386,15 @@ const std::optional<c10::OperatorHandle>& linear_op(bool binary) {
 }
 }  // namespace
 
+namespace {
+// Whether a convolution with these options and a k x k kernel pads nothing: zeros given, or
+// 'valid'; 'same' pads nothing only for a 1x1 kernel
+bool pads_nothing(const torch::nn::detail::ConvNdOptions<2>& o, int64_t k) {
+  if (const auto* pad = std::get_if<torch::ExpandingArray<2>>(&o.padding())) return !(*pad)->at(0) && !(*pad)->at(1);
+  return std::holds_alternative<torch::enumtype::kValid>(o.padding()) || k == 1;
+}
+}  // namespace
+
 at::Tensor pooled_conv1x1(const torch::nn::Conv2dImpl& conv, const at::Tensor& pooled) {
   const auto& w = conv.weight;
   const auto& o = conv.options;
@@ -395,9 +404,7 @@ at::Tensor pooled_conv1x1(const torch::nn::Conv2dImpl& conv, const at::Tensor& p
   if (w.dim() != 4 || w.size(2) != 1 || w.size(3) != 1 || w.size(1) != pooled.size(1) || o.groups() != 1 ||
       o.stride()->at(0) != 1 || o.stride()->at(1) != 1)
     return {};
-  // (a 1x1 kernel at stride 1 pads nothing for 'same' or 'valid')
-  if (const auto* pad = std::get_if<torch::ExpandingArray<2>>(&o.padding()); pad && ((*pad)->at(0) || (*pad)->at(1)))
-    return {};
+  if (!pads_nothing(o, 1)) return {};
   return at::linear(pooled, w.view({w.size(0), w.size(1)}), conv.bias);
 }
 
@@ -452,12 +459,7 @@ at::Tensor patch_conv_linear(const torch::nn::Conv2dImpl& conv, const at::Tensor
   if (w.size(3) != k || o.stride()->at(0) != k || o.stride()->at(1) != k || o.dilation()->at(0) != 1 ||
       o.dilation()->at(1) != 1 || x.size(2) % k || x.size(3) % k)
     return {};
-  // no padding: zeros given, or 'valid'; 'same' pads nothing only for a 1x1 kernel
-  if (const auto* pad = std::get_if<torch::ExpandingArray<2>>(&o.padding())) {
-    if ((*pad)->at(0) || (*pad)->at(1)) return {};
-  } else if (!std::holds_alternative<torch::enumtype::kValid>(o.padding()) && k != 1) {
-    return {};
-  }
+  if (!pads_nothing(o, k)) return {};
   const int64_t n = x.size(0), c = x.size(1), ho = x.size(2) / k, wo = x.size(3) / k;
   const bool cl = !x.is_contiguous() && x.is_contiguous(at::MemoryFormat::ChannelsLast);
   if (!cache->weight.defined() || !cache->from.matches(w) || cache->channels_last != cl) {
