@@ -97,7 +97,15 @@ bool fused_training_default(const std::string& model, torch::Device device, cons
 void to_channels_last(torch::nn::Module& m) {
   torch::NoGradGuard ng;
   for (auto& p : m.parameters())
-    if (p.dim() == 4) p.set_data(p.contiguous(at::MemoryFormat::ChannelsLast));
+    if (p.dim() == 4) p.set_data(channels_last_weight(p));
+}
+
+at::Tensor channels_last_weight(const at::Tensor& w) {
+  auto c = w.contiguous(at::MemoryFormat::ChannelsLast);
+  if (c.size(1) != 1 || c.suggest_memory_format() == at::MemoryFormat::ChannelsLast) return c;
+  // [O, 1, kh, kw]: NCHW strides are channels-last too (the same bytes), and contiguous() keeps
+  // them, but torch reads them as NCHW; fresh channels-last strides say which it is
+  return at::empty(c.sizes(), c.options().memory_format(at::MemoryFormat::ChannelsLast)).copy_(c);
 }
 
 void apply_bn_args(torch::nn::Module& m, std::optional<double> momentum, std::optional<double> eps) {

@@ -47,6 +47,12 @@ std::string precision_name(const Amp& amp);
 
 // --channels-last: 4-D weights to NHWC memory layout (inputs follow in the training loop).
 void to_channels_last(torch::nn::Module& m);
+// w in NHWC memory layout with strides torch reads as channels-last: a weight with one input
+// channel per group (a 1-channel stem, a depthwise convolution) keeps NCHW strides under
+// contiguous(ChannelsLast), the same bytes but read as NCHW, so oneDNN's convolution over a
+// 1-channel input wrote NCHW and the layers up to the next convolution ran on it (ATen's NCHW max
+// pool is ~10x slower than its channels-last one at [128, 64, 14, 14]).
+at::Tensor channels_last_weight(const at::Tensor& w);
 // Whether training `model` defaults to channels-last with the fused BatchNorm kernels: on the CPU,
 // in float32, for the families measured faster with both (ModelEntry::cpu_training_nhwc_fused).
 // train and benchmark --bench train; the flags, given either way, decide over it.

@@ -1985,30 +1985,78 @@ TEST_CASE("convolutions with taps on padding only run trimmed: same outputs and 
       {{2, 4, 7, 7}, {5, 4, 3, 3}, {2, 2}, {1, 1}, {1, 1}, 1, false},    // ordinary maps
       {{2, 4, 5, 5}, {5, 4, 1, 1}, {1, 1}, {0, 0}, {1, 1}, 1, false},    // 1x1 kernel
   };
-  for (const auto& c : cases) {
-    INFO("x " << Catch::Detail::stringify(c.x) << " w " << Catch::Detail::stringify(c.w) << " stride "
-              << Catch::Detail::stringify(c.stride) << " dilation " << Catch::Detail::stringify(c.dilation));
-    torch::manual_seed(3);
-    auto x = torch::randn(c.x, torch::kFloat64).requires_grad_();
-    auto w = torch::randn(c.w, torch::kFloat64).requires_grad_();
-    auto b = torch::randn({c.w[0]}, torch::kFloat64).requires_grad_();
-    auto y = model_zoo::trimmed_conv2d(x, w, b, c.stride, c.padding, c.dilation, c.groups);
-    REQUIRE(y.defined() == c.trims);
-    if (!y.defined()) continue;
-    auto ref = at::conv2d(x, w, b, c.stride, c.padding, c.dilation, c.groups);
-    REQUIRE(y.sizes() == ref.sizes());
-    CHECK(torch::allclose(y, ref, 1e-12, 1e-12));
-    auto g = torch::randn_like(ref);
-    auto got = torch::autograd::grad({y}, {x, w, b}, {g});
-    auto want = torch::autograd::grad({ref}, {x, w, b}, {g});
-    for (int i = 0; i < 3; ++i) CHECK(torch::allclose(got[i], want[i], 1e-12, 1e-12));
-  }
+  for (const auto format : {at::MemoryFormat::Contiguous, at::MemoryFormat::ChannelsLast})
+    for (const auto& c : cases) {
+      INFO("x " << Catch::Detail::stringify(c.x) << " w " << Catch::Detail::stringify(c.w) << " stride "
+                << Catch::Detail::stringify(c.stride) << " dilation " << Catch::Detail::stringify(c.dilation)
+                << (format == at::MemoryFormat::ChannelsLast ? " channels-last" : ""));
+      torch::manual_seed(3);
+      auto x = torch::randn(c.x, torch::kFloat64).contiguous(format).requires_grad_();
+      auto w = (format == at::MemoryFormat::ChannelsLast ? engine::channels_last_weight(torch::randn(c.w, torch::kFloat64))
+                                                         : torch::randn(c.w, torch::kFloat64))
+                   .requires_grad_();
+      auto b = torch::randn({c.w[0]}, torch::kFloat64).requires_grad_();
+      auto y = model_zoo::trimmed_conv2d(x, w, b, c.stride, c.padding, c.dilation, c.groups);
+      REQUIRE(y.defined() == c.trims);
+      if (!y.defined()) continue;
+      auto ref = at::conv2d(x, w, b, c.stride, c.padding, c.dilation, c.groups);
+      REQUIRE(y.sizes() == ref.sizes());
+      CHECK(torch::allclose(y, ref, 1e-12, 1e-12));
+      auto g = torch::randn_like(ref);
+      auto got = torch::autograd::grad({y}, {x, w, b}, {g});
+      auto want = torch::autograd::grad({ref}, {x, w, b}, {g});
+      for (int i = 0; i < 3; ++i) CHECK(torch::allclose(got[i], want[i], 1e-12, 1e-12));
+      // the weight's gradient in the weight's layout: AccumulateGrad keeps it rather than copying
+      CHECK(got[1].suggest_memory_format() == w.suggest_memory_format());
+      CHECK(got[1].is_contiguous(w.suggest_memory_format()));
+    }
   // channels-last input: same numbers, in float32 within rounding
   auto x = torch::randn({4, 16, 2, 2}).contiguous(at::MemoryFormat::ChannelsLast);
   auto w = torch::randn({32, 16, 3, 3}).contiguous(at::MemoryFormat::ChannelsLast);
   auto y = model_zoo::trimmed_conv2d(x, w, {}, {2, 2}, {1, 1}, {1, 1}, 1);
   REQUIRE(y.defined());
   CHECK(torch::allclose(y, at::conv2d(x, w, {}, {2, 2}, {1, 1}), 1e-5, 1e-5));
+}
+
+TEST_CASE("channels_last_weight gives strides torch reads as channels-last also with one input channel per group",
+          "[models]") {
+  // [O, 1, kh, kw] keeps its NCHW strides under contiguous(ChannelsLast) (the same bytes), which
+  // torch reads as NCHW: oneDNN's convolution over a 1-channel input then wrote an NCHW output
+  torch::manual_seed(5);
+  for (const auto& shape : {std::vector<int64_t>{8, 1, 7, 7}, {16, 1, 3, 3}, {8, 4, 3, 3}, {8, 4, 1, 1}}) {
+    INFO(Catch::Detail::stringify(shape));
+    const auto w = torch::randn(shape);
+    const auto cl = engine::channels_last_weight(w);
+    CHECK(torch::equal(cl, w));
+    CHECK(cl.is_contiguous(at::MemoryFormat::ChannelsLast));
+    if (shape[1] == 1) {
+      CHECK(w.contiguous(at::MemoryFormat::ChannelsLast).suggest_memory_format() == at::MemoryFormat::Contiguous);
+      CHECK(cl.suggest_memory_format() == at::MemoryFormat::ChannelsLast);
+    } else {
+      CHECK(cl.strides() == w.contiguous(at::MemoryFormat::ChannelsLast).strides());  // untouched
+    }
+  }
+  // a 1-channel stem and a depthwise convolution write channels-last outputs with it
+  const auto x = torch::randn({2, 1, 12, 12});
+  const auto stem = torch::randn({8, 1, 7, 7});
+  CHECK_FALSE(at::conv2d(x, stem.contiguous(at::MemoryFormat::ChannelsLast), {}, 2, 3)
+                  .is_contiguous(at::MemoryFormat::ChannelsLast));
+  const auto y = at::conv2d(x, engine::channels_last_weight(stem), {}, 2, 3);
+  CHECK(y.is_contiguous(at::MemoryFormat::ChannelsLast));
+  CHECK_FALSE(y.is_contiguous());
+  CHECK(torch::allclose(y, at::conv2d(x, stem, {}, 2, 3), 1e-5, 1e-5));
+  // to_channels_last on a module: the same values, every 4-D weight read as channels-last
+  torch::nn::Sequential m(torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 8, 3)),
+                          torch::nn::Conv2d(torch::nn::Conv2dOptions(8, 8, 3).groups(8)),
+                          torch::nn::Conv2d(torch::nn::Conv2dOptions(8, 4, 3)));
+  std::vector<at::Tensor> before;
+  for (const auto& p : m->parameters()) before.push_back(p.detach().clone());
+  engine::to_channels_last(*m);
+  size_t i = 0;
+  for (const auto& p : m->parameters()) {
+    CHECK(torch::equal(p, before[i++]));
+    if (p.dim() == 4) CHECK(p.suggest_memory_format() == at::MemoryFormat::ChannelsLast);
+  }
 }
 
 TEST_CASE("1x1 convolutions over small channels-last maps run as GEMMs in training: same outputs and gradients",
