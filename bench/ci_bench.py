@@ -291,8 +291,6 @@ def make_records(entries, samples, extras, errors, env, opts):
                 best = max(rec.get('samples_per_sec', 0), rec.get('graph_samples_per_sec', 0))
                 if best:
                     rec['ratio_best_to_compiled'] = round(best / rec['compiled_samples_per_sec'], 4)
-            for k, v in extras.get((e['name'], mode), {}).items():
-                rec[k] = v
             if errs:
                 rec['errors'] = errs
             batch = arg_value(args, '-b', '--batch-size', default='256')
@@ -301,6 +299,11 @@ def make_records(entries, samples, extras, errors, env, opts):
                         'img_size': arg_value(args, '--img-size'), 'amp': amp,
                         'amp_dtype': arg_value(args, '--amp-dtype') if amp else None,
                         'channels_last': flag_on(args, '--channels-last'), 'cuda_graph': bool(graph)})
+            # what the commands ran (imgtrain's own result: its CPU defaults may be channels-last)
+            # over what their flags say
+            for k, v in extras.get((e['name'], mode), {}).items():
+                if k != 'reference_channels_last' or ref:
+                    rec[k] = v
             rec.update(env)
             # the device this entry's commands ran on: ci_bench's --device, unless the entry's own
             # flags (or --extra-args) name another; the last --device wins
@@ -357,7 +360,7 @@ def cmd_run(opts):
         os.remove(opts.out)  # a run that fails early must not leave an older run's numbers behind
     env = environment(imgtrain, device)
     samples = {}  # (name, mode, side) -> {round: samples/s}
-    extras = {}  # (name, mode) -> imgtrain's memory fields
+    extras = {}  # (name, mode) -> imgtrain's memory fields and the layout it ran
     errors = {}  # (name, side) -> the first failure
     start = time.time()
     deadline = start + opts.deadline if opts.deadline else None
@@ -424,7 +427,18 @@ def measure(e, side, rnd, device, imgtrain, samples, extras, errors, deadline, o
             errors[(e['name'], name)] = NOT_RUN + 'the deadline ({:g} s) had passed'.format(opts.deadline)
             return
     base = [sys.executable, os.path.join(HERE, 'bench', 'timm_benchmark.py')] if timm else [imgtrain, 'benchmark']
-    cmd = base + ['--device', device] + entry_args(e, opts) + flags
+    args = entry_args(e, opts)
+    cmd = base + ['--device', device] + args + flags
+    if timm:
+        # the same memory format on both sides: where imgtrain ran channels-last by its own default
+        # (CPU training of the ResNet, EfficientNet and MobileNetV3 families) in every mode it
+        # measured, timm gets --channels-last too (imgtrain runs first in the first round)
+        ran = [v['channels_last'] for (n, _), v in extras.items() if n == e['name'] and 'channels_last' in v]
+        if ran and all(ran) and not flag_on(args, '--channels-last'):
+            cmd.append('--channels-last')
+        for (n, _), v in extras.items():
+            if n == e['name']:
+                v['reference_channels_last'] = flag_on(cmd, '--channels-last')
     try:
         res = run_cmd(cmd, timeout=left)
     except SideFailed as err:
@@ -438,7 +452,7 @@ def measure(e, side, rnd, device, imgtrain, samples, extras, errors, deadline, o
         if v is not None:
             samples.setdefault((e['name'], mode, name), {})[rnd] = float(v)
         if name == 'imgtrain':
-            for k in ('max_allocated_mb', 'max_reserved_mb'):
+            for k in ('max_allocated_mb', 'max_reserved_mb', 'channels_last', 'fuse_bn'):
                 if mode + '_' + k in res:
                     extras.setdefault((e['name'], mode), {})[k] = res[mode + '_' + k]
 
@@ -499,6 +513,13 @@ def cmd_compare(opts):
             why = '; '.join('{}: {}'.format(s, m) for s, m in n.get('errors', {}).items()) or 'no number'
             print('{:<24s} {:<6s} failed: {}'.format(key[0], key[1], why[:200]))
             failed.append('{} {}'.format(*key))
+            continue
+        differ = ['{} {} -> {}'.format(k, b[k], n[k]) for k in ('channels_last', 'reference_channels_last', 'fuse_bn')
+                  if k in b and k in n and b[k] != n[k]]
+        if differ:
+            print('{:<24s} {:<6s} failed: not comparable, the commands ran another way ({}); refresh the baseline '
+                  '(docs/benchmarks.md)'.format(key[0], key[1], ', '.join(differ)))
+            failed.append('{} {} (layout)'.format(*key))
             continue
         if 'ratio' in b and 'ratio' not in n:
             why = n.get('errors', {}).get('reference', 'no reference number')

@@ -33,17 +33,27 @@ mode=train
 [[ " $* " == *" --bench inference "* ]] && mode=infer
 [[ " $* " == *" --bench both "* ]] && { echo "peers.sh: one of --bench inference / --bench train" >&2; exit 2; }
 field() { sed -n '/^--result/,$p' | sed 1d | "$py" -c "import json,sys; s = sys.stdin.read(); print(json.loads(s).get('${mode}_samples_per_sec', '') if s.strip() else '')"; }
-# A command that fails or refuses (e.g. --fuse-bn training with --amp) prints no result: its cell stays empty.
+# A command that fails or refuses (e.g. --fuse-bn training with --amp) prints no result: its cell
+# stays empty and the last line of its error output is shown.
+err=$(mktemp)
+trap 'rm -f "$err"' EXIT
+cell() {  # NAME COMMAND...: the command's samples/s, or empty with its last error line on stderr
+  local name=$1 out
+  shift
+  out=$("$@" 2>"$err" | field) || out=
+  [[ -n $out ]] || echo "peers.sh: $name gave no result: $(grep -v '^\s*$' "$err" | tail -n 1)" >&2
+  printf '%s' "$out"
+}
 names=(imgtrain imgtrain_unfused timm_eager timm_eager_malloc timm_compiled)
 declare -A vals
 for ((r = 0; r < runs; r++)); do
   for n in "${names[@]}"; do
     case $n in
-      imgtrain) v=$("$bin" benchmark --device cpu "$@" 2>/dev/null | field) || v= ;;
-      imgtrain_unfused) v=$("$bin" benchmark --device cpu "$@" --fuse-bn=false 2>/dev/null | field) || v= ;;
-      timm_eager) v=$("$py" "$here/bench/timm_benchmark.py" "$@" 2>/dev/null | field) || v= ;;
-      timm_eager_malloc) v=$("${malloc[@]}" "$py" "$here/bench/timm_benchmark.py" "$@" 2>/dev/null | field) || v= ;;
-      timm_compiled) v=$("${malloc[@]}" "$py" "$here/bench/timm_benchmark.py" "$@" --torchcompile 2>/dev/null | field) || v= ;;
+      imgtrain) v=$(cell $n "$bin" benchmark --device cpu "$@") ;;
+      imgtrain_unfused) v=$(cell $n "$bin" benchmark --device cpu "$@" --fuse-bn=false) ;;
+      timm_eager) v=$(cell $n "$py" "$here/bench/timm_benchmark.py" "$@") ;;
+      timm_eager_malloc) v=$(cell $n "${malloc[@]}" "$py" "$here/bench/timm_benchmark.py" "$@") ;;
+      timm_compiled) v=$(cell $n "${malloc[@]}" "$py" "$here/bench/timm_benchmark.py" "$@" --torchcompile) ;;
     esac
     vals[$n]+="$v "
   done
@@ -56,4 +66,8 @@ for n in "${names[@]}"; do
   if [[ $n == timm_* ]] && awk -v a="$m" -v b="$best" 'BEGIN {exit !(a > b)}'; then best=$m best_name=$n; fi
 done
 ours=$(median "${vals[imgtrain]}")
+if [[ -z $ours || -z $best_name ]]; then
+  echo "peers.sh: no ratio: $([[ -z $ours ]] && echo imgtrain || echo every peer) gave no result" >&2
+  exit 1
+fi
 printf 'imgtrain / best peer (%s): %.3f\n' "$best_name" "$(awk -v a="$ours" -v b="$best" 'BEGIN {print a / b}')"

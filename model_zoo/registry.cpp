@@ -75,7 +75,13 @@ bool cpu_training_nhwc_fused(const std::string& name) {
 
 bool cpu_training_fused(const std::string& name) {
   const auto* e = find_model(name);
-  return e && (e->cpu_training_nhwc_fused || e->cpu_training_fused);
+  return e && (e->cpu_training_nhwc_fused || !e->cpu_training_fused.empty());
+}
+
+std::string cpu_training_fused_kernels(const std::string& name) {
+  const auto* e = find_model(name);
+  if (!e) return "";
+  return e->cpu_training_nhwc_fused ? "BatchNorm fused with the residual add and activation" : e->cpu_training_fused;
 }
 
 int64_t count_params(const torch::nn::Module& m) {

@@ -24,9 +24,10 @@ struct ModelEntry {
   // (--channels-last, --fuse-bn): set for the families where both were measured faster
   // (docs/performance.md, "CPU training defaults per family").
   bool cpu_training_nhwc_fused = false;
-  // Training on the CPU in float32 defaults to the fused kernels (--fuse-bn) in the layout given:
-  // ConvNeXt's MLP on tiles (measured faster; its NCHW default stays).
-  bool cpu_training_fused = false;
+  // Training on the CPU in float32 defaults to the fused kernels (--fuse-bn) in the layout given,
+  // named here for the log: ConvNeXt's MLP on tiles, ViT's attention (measured faster; their NCHW
+  // default stays). Empty: none.
+  std::string cpu_training_fused;
 };
 
 const ModelEntry* find_model(const std::string& name);
@@ -46,6 +47,8 @@ bool cpu_training_nhwc_fused(const std::string& name);
 // Whether training `name` on the CPU defaults to the fused kernels: cpu_training_nhwc_fused or
 // cpu_training_fused (false for unknown names).
 bool cpu_training_fused(const std::string& name);
+// What the fused kernels of `name`'s CPU training are, for the log ("" for unknown names).
+std::string cpu_training_fused_kernels(const std::string& name);
 int64_t count_params(const torch::nn::Module& m);
 
 // timm's default pretrained config and tags for `name` (model_zoo/pretrained_cfgs.inc, generated

@@ -213,7 +213,7 @@ void register_vit(Registry<ModelEntry>& r) {
   for (auto& s : specs()) {
     ModelEntry e{[&s](const ModelArgs& a) -> Model { return std::make_shared<VisionTransformerImpl>(s, a); },
                  timm_defaults(s.name)};
-    e.cpu_training_fused = true;  // attention as imgtrain's kernels in training (docs/performance.md)
+    e.cpu_training_fused = "fused kernels (attention)";  // imgtrain's attention kernels (docs/performance.md)
     r.add(s.name, std::move(e));
   }
 }

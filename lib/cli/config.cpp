@@ -253,9 +253,10 @@ const std::vector<Flag>& flags() {
        "Fuse each conv block's BatchNorm with what surrounds it (float32, no autocast). Inference: folded into the "
        "convolution before it; on the CPU the bias, residual add and activation run as oneDNN post-ops. Training "
        "(CPU): batch statistics, normalisation, residual add and activation in one kernel each way; ConvNeXt's "
-       "LayerNorm, MLP, layer scale and residual on tiles of pixels in its first stages. Default: on for benchmark "
-       "inference, and for CPU float32 training of the ResNet, EfficientNet and MobileNetV3 families (with "
-       "channels-last) and ConvNeXt (results then differ from timm's by float rounding); off for validate and otherwise. "
+       "LayerNorm, MLP, layer scale and residual on tiles of pixels in its first stages; ViT's attention as imgtrain's "
+       "kernels (also in inference). Default: on for benchmark inference, and for CPU float32 training of the ResNet, "
+       "EfficientNet and MobileNetV3 families (with channels-last), ConvNeXt and ViT (results then differ from timm's "
+       "by float rounding); off for validate and otherwise. "
        "--no-fuse-bn (or --fuse-bn=false) turns it off",
        TRAIN | VALIDATE | BENCH},
       {"profile", "", &Config::profile,
@@ -624,7 +625,9 @@ void check_effective(Command cmd, const Config& c) {
     refuse({"model", "device", "amp", "amp-dtype", "channels-last", "num-classes", "gp", "opt", "opt-impl", "profile", "cuda-graph",
             "fuse-bn", "nproc-per-node"},
            fmt::format("with --bench {} (it measures the input pipeline alone, on the CPU)", c.bench));
-  if (c.amp && c.fuse_bn)
+  if (c.fuse_bn && c.amp_opt_level == "O2")
+    refuse({"fuse-bn"}, "with --amp-opt-level O2 (its weights are half precision; the fused kernels run in float32)");
+  if (c.fuse_bn && (c.amp_opt_level == "O1" || (c.amp && c.amp_opt_level != "O0")))
     refuse({"fuse-bn"}, "with --amp (the folded convolutions run in float32; autocast picks the kernels)");
   if (cmd == Command::Benchmark && c.bench == "data")
     refuse({"crop-pct", "interpolation", "crop-mode", "fast-decode"},

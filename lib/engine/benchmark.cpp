@@ -310,7 +310,14 @@ int benchmark_data(const cli::Config& cfg) {
     }
     return b->images.size(0);
   };
-  for (int64_t i = 0; i < cfg.num_warm_iter; ++i) next();
+  // The loader makes up to workers x prefetch batches ahead of the consumer: those finished during
+  // the warm-up would come out at once and inflate the rate, so they are taken untimed too.
+  const int64_t threads = std::max<int64_t>(1, lo.workers);
+  for (int64_t i = 0; i < cfg.num_warm_iter + threads * std::max<int64_t>(1, lo.prefetch_per_worker); ++i) next();
+  if (cfg.num_bench_iter < 10 * threads)
+    log::warn("--num-bench-iter {}: {} threads finish their batches together, so a rate over so few batches can be "
+              "off by up to {:.0f}% (give at least {})",
+              cfg.num_bench_iter, threads, 100.0 * double(threads) / double(cfg.num_bench_iter), 10 * threads);
   const auto t0 = Clock::now();
   int64_t images = 0;
   const int64_t log_freq = std::max<int64_t>(1, cfg.num_bench_iter / 5);

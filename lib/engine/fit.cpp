@@ -235,9 +235,7 @@ int fit(const cli::Config& given_cfg, torch::Device device, dist::Context* ctx) 
   if ((nhwc_fused && !cfg.was_given("channels-last")) || (fused && !cfg.was_given("fuse-bn")))
     log::info("Training layout {}, {}: {} default on the CPU (--channels-last / --fuse-bn [=false] choose)",
               cfg.channels_last ? "channels-last (NHWC)" : "NCHW",
-              !fuse_bn ? "torch's modules (no fused kernels)"
-              : nhwc_fused ? "BatchNorm fused with the residual add and activation"
-                           : "fused kernels (LayerNorm and MLP on tiles)",
+              !fuse_bn ? "torch's modules (no fused kernels)" : model_zoo::cpu_training_fused_kernels(cfg.model),
               cfg.model);
   set_training_fusion(*r.model, fuse_bn);
   if (ctx)

@@ -58,7 +58,7 @@ at::Tensor channels_last_weight(const at::Tensor& w);
 // train and benchmark --bench train; the flags, given either way, decide over it.
 bool nhwc_fused_training_default(const std::string& model, torch::Device device, const Amp& amp);
 // Whether training `model` defaults to the fused kernels (--fuse-bn) in whatever layout: the above,
-// and ConvNeXt (ModelEntry::cpu_training_fused), on the CPU in float32.
+// ConvNeXt and ViT (ModelEntry::cpu_training_fused), on the CPU in float32.
 bool fused_training_default(const std::string& model, torch::Device device, const Amp& amp);
 // timm's --bn-momentum / --bn-eps, applied to every BatchNorm of any model.
 void apply_bn_args(torch::nn::Module& m, std::optional<double> momentum, std::optional<double> eps);

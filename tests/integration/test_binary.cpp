@@ -416,6 +416,23 @@ TEST_CASE("benchmark prints timm's fields and writes the results file", "[integr
   INFO(pr.output);
   CHECK_THAT(pr.output, Catch::Contains("imgtrain::rmsprop_tf_step"));
   expect_user_error(test::run(kBin + " benchmark --bench data --profile --data-dir /nonexistent"), "--profile has no effect");
+  // --bench data / data-eval: the input pipeline alone; a run over few batches is told how far off
+  // its rate can be (the loader's threads finish their batches together)
+  const auto folder = test::fmnist_folder(200, 100);
+  for (const char* which : {"data", "data-eval"}) {
+    auto few = test::run(kBin + " benchmark --bench " + which + " --data-dir " + folder +
+                         " -b 8 --img-size 32 -j 2 --num-warm-iter 1 --num-bench-iter 4");
+    INFO(few.output);
+    REQUIRE(few.code == 0);
+    CHECK_THAT(few.output, Catch::Contains("--num-bench-iter 4: 2 threads") && Catch::Contains("\"images\": 200") &&
+                               Catch::Contains("\"data_samples_per_sec\""));
+    auto enough = test::run(kBin + " benchmark --bench " + which + " --data-dir " + folder +
+                            " -b 8 --img-size 32 -j 2 --num-warm-iter 1 --num-bench-iter 20");
+    INFO(enough.output);
+    REQUIRE(enough.code == 0);
+    CHECK_THAT(enough.output, !Catch::Contains("--num-bench-iter") && Catch::Contains("\"data_samples_per_sec\""));
+  }
+
   // --cuda-graph: refused where it cannot hold, in one line
   expect_user_error(test::run(kBin + " benchmark --model resnet18 --cuda-graph --device cpu"),
                     "--cuda-graph needs a CUDA device");
@@ -446,6 +463,10 @@ TEST_CASE("a ViT trains at a custom image size, and a size off the patch grid is
   REQUIRE(st.find("model.pos_embed") != nullptr);
   CHECK(st.find("model.pos_embed")->sizes() == std::vector<int64_t>{1, 5, 192});  // 2x2 patches + class token
   expect_user_error(test::run(kBin + " train --data-dir " + data + args + " --img-size 28"), "multiple of its patch size 16");
+  // ConvNeXt's unpadded stem and downsamplings need 32 px
+  expect_user_error(test::run(kBin + " train --data-dir " + data + " --model convnext_tiny --in-chans 1 --img-size 31 " +
+                              "--device cpu --epochs 1 --output " + out.path.string()),
+                    "convnext_tiny needs at least 32 px");
 }
 
 TEST_CASE("a batch of one reaching 1x1 maps under BatchNorm is the user's choice, said in one line", "[integration][fault]") {

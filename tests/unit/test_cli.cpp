@@ -378,6 +378,12 @@ TEST_CASE("flags that would have no effect are refused by name, from the command
   CHECK_THAT(error_of({"--bench", "data", "--channels-last"}, C::Benchmark), Catch::Contains("--channels-last"));
   CHECK_THAT(error_of({"--bench", "data", "--device", "cpu"}, C::Benchmark), Catch::Contains("--device"));
   CHECK(error_of({"--bench", "data", "--data-dir", "/d", "-j", "2", "--hflip", "0"}, C::Benchmark) == "");
+  // the fused kernels are float32: refused under autocast and with O2's half-precision weights
+  CHECK_THAT(error_of({"--fuse-bn", "--amp"}, C::Train), Catch::Contains("--fuse-bn has no effect with --amp ("));
+  CHECK_THAT(error_of({"--fuse-bn", "--amp-opt-level", "O1"}, C::Train), Catch::Contains("--fuse-bn has no effect with --amp ("));
+  CHECK_THAT(error_of({"--fuse-bn", "--amp-opt-level", "O2", "--amp-dtype", "bfloat16"}, C::Train),
+             Catch::Contains("--fuse-bn has no effect with --amp-opt-level O2"));
+  CHECK(error_of({"--fuse-bn", "--amp", "--amp-opt-level", "O0"}, C::Train) == "");  // O0: float32
   CHECK_THAT(error_of({"--bench", "data", "--crop-pct", "0.9"}, C::Benchmark),
              Catch::Contains("--crop-pct has no effect with --bench data (the training pipeline"));
   CHECK_THAT(error_of({"--bench", "data-eval", "--hflip", "0"}, C::Benchmark), Catch::Contains("--hflip has no effect"));

@@ -2018,6 +2018,35 @@ TEST_CASE("convolutions with taps on padding only run trimmed: same outputs and 
   CHECK(torch::allclose(y, at::conv2d(x, w, {}, {2, 2}, {1, 1}), 1e-5, 1e-5));
 }
 
+TEST_CASE("ConvNeXt refuses inputs under 32 px by name and each family names its fused training kernels", "[models]") {
+  ModelArgs a;
+  a.num_classes = 10;
+  a.img_size = 31;
+  try {
+    model_zoo::create_model("convnext_tiny", a);
+    FAIL("no error for --img-size 31");
+  } catch (const UserError& e) {
+    CHECK_THAT(e.what(), Catch::Contains("--img-size 31: convnext_tiny needs at least 32 px"));
+  }
+  a.img_size = 0;
+  auto m = model_zoo::create_model("convnext_tiny", a);
+  m->eval();
+  torch::NoGradGuard ng;
+  CHECK(m->forward(torch::randn({1, 3, 32, 40})).sizes() == std::vector<int64_t>{1, 10});
+  try {
+    m->forward(torch::randn({1, 3, 64, 31}));
+    FAIL("no error for a 64x31 input");
+  } catch (const UserError& e) {
+    CHECK_THAT(e.what(), Catch::Contains("input 64x31: convnext_tiny needs at least 32x32 pixels"));
+  }
+  CHECK_THAT(model_zoo::cpu_training_fused_kernels("vit_small_patch16_224"), Catch::Contains("attention"));
+  CHECK_THAT(model_zoo::cpu_training_fused_kernels("convnext_tiny"), Catch::Contains("MLP on tiles"));
+  CHECK_THAT(model_zoo::cpu_training_fused_kernels("resnet50"), Catch::Contains("BatchNorm fused"));
+  CHECK(model_zoo::cpu_training_fused_kernels("nonexistent") == "");
+  CHECK(model_zoo::cpu_training_fused("vit_small_patch16_224"));
+  CHECK(model_zoo::cpu_training_fused("convnext_tiny"));
+}
+
 TEST_CASE("channels_last_weight gives strides torch reads as channels-last also with one input channel per group",
           "[models]") {
   // [O, 1, kh, kw] keeps its NCHW strides under contiguous(ChannelsLast) (the same bytes), which
