@@ -797,15 +797,19 @@ std::optional<Config> parse(Command cmd, const std::vector<std::string>& in_args
   for (size_t i = 0; i < in_args.size(); ++i) {
     std::string a = in_args[i];
     // --no-X for a boolean flag --X (argparse's BooleanOptionalAction): --X=false
-    if (a.rfind("--no-", 0) == 0 && a.find('=') == std::string::npos) {
-      const std::string base = a.substr(5);
+    if (a.rfind("--no-", 0) == 0) {
+      const bool valued = a.find('=') != std::string::npos;
+      const std::string base = a.substr(5, valued ? a.find('=') - 5 : std::string::npos);
       bool own = false;  // --no-aug and the like are flags of their own
       const Flag* neg = nullptr;
       for (auto& f : flags()) {
         if (!(f.cmds & bit)) continue;
-        if (a.substr(2) == f.name) own = true;
+        if ("no-" + base == f.name) own = true;
         if (base == f.name && std::holds_alternative<bool Config::*>(f.field)) neg = &f;
       }
+      if (!own && neg && valued)
+        throw UserError(fmt::format("'{}': --no-{} takes no value (--{}=true or --{}=false says either)", a, base,
+                                    base, base));
       if (!own && neg) a = std::string("--") + neg->name + "=false";
     }
     for (auto& f : flags()) {

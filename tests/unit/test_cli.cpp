@@ -705,9 +705,12 @@ TEST_CASE("a boolean flag --X is turned off by --no-X, as by --X=false, and --no
   CHECK(train({"--no-channels-last"}).was_given("channels-last"));
   CHECK(train({"--channels-last"}).channels_last_on(false));
   CHECK_FALSE(train({"--no-fuse-bn"}).fuse_bn_on(true));
+  CHECK_THAT(error_of({"--no-fuse-bn=false"}, Command::Benchmark),
+             Catch::Contains("'--no-fuse-bn=false': --no-fuse-bn takes no value (--fuse-bn=true or --fuse-bn=false"));
   CHECK_FALSE(train({"--no-pin-mem"}).pinned_batches(true));
   CHECK(train({"--no-aug"}).no_aug);
   // only booleans have a --no- form; an unknown one is refused by name
   CHECK_THAT(error_of({"--no-model"}, Command::Train), Catch::Contains("unknown flag '--no-model'"));
-  CHECK_THAT(error_of({"--no-channels-last=true"}, Command::Train), Catch::Contains("unknown flag"));
+  CHECK_THAT(error_of({"--no-channels-last=true"}, Command::Train), Catch::Contains("--no-channels-last takes no value"));
+  CHECK_THAT(error_of({"--no-model=x"}, Command::Train), Catch::Contains("unknown flag '--no-model'"));
 }
