@@ -122,9 +122,7 @@ class ConvNeXtImpl : public ClassifierImpl, public InferenceFusion {
   ConvNeXtImpl(const ConvNeXtSpec& s, const ModelArgs& a)
       : name_(s.name), num_classes_(a.num_classes), drop_rate_(a.drop_rate) {
     if (a.img_size > 0 && a.img_size < kMinSize)
-      throw UserError(fmt::format("--img-size {}: {} needs at least {} px (its 4x4 stem and three 2x2 downsamplings, "
-                                  "none padded, divide the size by 32)",
-                                  a.img_size, s.name, kMinSize));
+      throw UserError(fmt::format("--img-size {}: {} needs at least {} px {}", a.img_size, s.name, kMinSize, kMinSizeWhy));
     // timm's NormMlpClassifierHead normalises num_features channels, so no catavgmax
     pool_ = resolve_global_pool(s.name, a.global_pool, "avg", {"avg", "max", "avgmax"}, a.global_pool_from);
     stem_ = register_module("stem", torch::nn::Sequential());
@@ -168,9 +166,8 @@ class ConvNeXtImpl : public ClassifierImpl, public InferenceFusion {
 
   at::Tensor forward_features(const at::Tensor& in) override {
     if (in.dim() == 4 && (in.size(2) < kMinSize || in.size(3) < kMinSize))
-      throw UserError(fmt::format("input {}x{}: {} needs at least {}x{} pixels (its 4x4 stem and three 2x2 "
-                                  "downsamplings, none padded, divide the size by 32)",
-                                  in.size(2), in.size(3), name_, kMinSize, kMinSize));
+      throw UserError(fmt::format("input {}x{}: {} needs at least {}x{} pixels {}", in.size(2), in.size(3), name_,
+                                  kMinSize, kMinSize, kMinSizeWhy));
     auto x = stem(in);
     for (size_t i = 0; i < blocks_.size(); ++i) x = run_stage(i, x);
     return x;
@@ -234,6 +231,7 @@ class ConvNeXtImpl : public ClassifierImpl, public InferenceFusion {
   }
 
   static constexpr int64_t kMinSize = 32;  // the smallest input side that leaves the last stage a pixel
+  static constexpr const char* kMinSizeWhy = "(its 4x4 stem and three 2x2 downsamplings, none padded, divide the size by 32)";
   std::string name_;
   int64_t num_classes_, num_features_ = 0;
   double drop_rate_;

@@ -773,6 +773,20 @@ TEST_CASE("the CI benchmark job: a suite's records, and a staged slowdown fails 
                  "batch_size", "img_size", "mkl"})
     CHECK(r.contains(k));
   CHECK_THAT(r.value("imgtrain_version", std::string()), Catch::StartsWith("imgtrain ") && !Catch::Contains("\n"));
+  // resnet18's CPU training is channels-last with the fused BatchNorm by default: recorded as run,
+  // and timm was given the same layout
+  CHECK(r.value("channels_last", false));
+  CHECK(r.value("fuse_bn", false));
+  CHECK(r.value("reference_channels_last", false));
+  {  // a baseline whose timm side ran another layout is not compared
+    auto other = records;
+    other[0]["reference_channels_last"] = false;
+    test::write_file(out / "other.json", other.dump());
+    auto cmp = test::run(tool + " compare " + (out / "other.json") + " " + (out / "base.json"));
+    INFO(cmp.output);
+    CHECK(cmp.code == 1);
+    CHECK_THAT(cmp.output, Catch::Contains("not comparable") && Catch::Contains("reference_channels_last False -> True"));
+  }
   // the same numbers pass; staged 3x slower (IMGTRAIN_BENCH_SLOWDOWN=2) they fail, naming the entry
   auto same = test::run(tool + " compare " + (out / "base.json") + " " + (out / "base.json"));
   INFO(same.output);
