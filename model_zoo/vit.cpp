@@ -62,7 +62,30 @@ struct AttentionImpl : torch::nn::Module, TrainingFusion {
     }
     return fused ? linear_add(o, proj->weight, proj->bias, residual, &proj_pack) : linear(*proj, o);
   }
-  LinearPack proj_pack, qkv_pack;
+  // The class token's row of forward(x) (+ residual, the class token's input row, when defined:
+  // inference fusion): keys and values for every token, the query for the class token alone.
+  at::Tensor forward_cls(const at::Tensor& x, const at::Tensor& residual = {}) {
+    const int64_t b = x.size(0), n = x.size(1), c = x.size(2), d = c / heads;
+    const bool fused = residual.defined();
+    const auto &w = qkv->weight, &bias = qkv->bias;
+    const auto q = at::linear(x.narrow(1, 0, 1), w.narrow(0, 0, c), bias.narrow(0, 0, c)).view({b, 1, heads, d});
+    at::Tensor kv;
+    if (fused) {
+      if (!kv_from.matches(w)) {  // oneDNN packs a weight tensor it sees again: keep the rows as one
+        kv_weight = w.detach().narrow(0, c, 2 * c).contiguous();
+        kv_from.take(w);
+      }
+      kv = linear_act(x, kv_weight, bias.narrow(0, c, 2 * c), Act::Identity, &kv_pack);
+    } else {
+      kv = at::linear(x, w.narrow(0, c, 2 * c), bias.narrow(0, c, 2 * c));
+    }
+    const auto parts = kv.reshape({b, n, 2, heads, d}).permute({2, 0, 3, 1, 4}).unbind(0);
+    const auto o = at::scaled_dot_product_attention(q.transpose(1, 2), parts[0], parts[1]).transpose(1, 2).reshape({b, 1, c});
+    return fused ? linear_add(o, proj->weight, proj->bias, residual, &proj_pack) : linear(*proj, o);
+  }
+  LinearPack proj_pack, qkv_pack, kv_pack;
+  at::Tensor kv_weight;  // qkv's key and value rows (inference fusion), made from the weight stamped here
+  TensorStamp kv_from;
 };
 TORCH_MODULE(Attention);
 
@@ -100,6 +123,17 @@ struct BlockImpl : torch::nn::Module, InferenceFusion {
     }
     x = x + drop_path(attn(norm1(x)), dpr, is_training());
     return x + drop_path(mlp(norm2(x)), dpr, is_training());
+  }
+  // forward(x)'s class-token row, [B, 1, C]: what the last block computes when the head reads only
+  // that row (the other rows' queries, projections and MLP have no use).
+  at::Tensor forward_cls(const at::Tensor& x) {
+    auto cls = x.narrow(1, 0, 1);
+    if (fuse_infer && !is_training() && linear_fusable(x)) {
+      cls = attn->forward_cls(norm1(x), cls);
+      return mlp->forward_fused(norm2(cls), cls);
+    }
+    cls = cls + drop_path(attn->forward_cls(norm1(x)), dpr, is_training());
+    return cls + drop_path(mlp(norm2(cls)), dpr, is_training());
   }
 };
 TORCH_MODULE(Block);
@@ -140,10 +174,19 @@ class VisionTransformerImpl : public ClassifierImpl {
   }
 
   at::Tensor forward_features(const at::Tensor& in) override {
-    auto x = patch_embed_(in);
-    x = torch::cat({cls_token_.expand({x.size(0), -1, -1}), x}, 1) + pos_embed_;
-    x = blocks_->forward(x);
+    auto x = blocks_->forward(embed(in));
     return pool_ == "avg" ? x : norm_(x);
+  }
+  // With class-token pooling the head reads one row of the last block's output: that block computes
+  // only it (keys and values of every token, the rest for the class token), and the final norm
+  // normalises only it. The logits equal forward_head(forward_features(x)) within float rounding;
+  // ViT-S/16 at 224 px skips 10/12 of one block's linear layers of twelve.
+  at::Tensor forward(const at::Tensor& in) override {
+    if (pool_ != "token") return forward_head(forward_features(in), false);
+    auto x = embed(in);
+    const size_t depth = blocks_->size();
+    for (size_t i = 0; i + 1 < depth; ++i) x = blocks_[i]->as<BlockImpl>()->forward(x);
+    return forward_head(norm_(blocks_[depth - 1]->as<BlockImpl>()->forward_cls(x)), false);
   }
   at::Tensor forward_head(const at::Tensor& in, bool pre_logits) override {
     // the class token, or (timm's 'avg') the mean of the patch tokens
@@ -172,8 +215,7 @@ class VisionTransformerImpl : public ClassifierImpl {
   // token, as B x C x H/patch x W/patch.
   std::vector<at::Tensor> forward_intermediates(const at::Tensor& in, const std::vector<int64_t>& indices) override {
     const int64_t gh = in.size(2) / spec_.patch, gw = in.size(3) / spec_.patch;
-    auto x = patch_embed_(in);
-    x = torch::cat({cls_token_.expand({x.size(0), -1, -1}), x}, 1) + pos_embed_;
+    auto x = embed(in);
     std::vector<at::Tensor> out;
     const int64_t last = indices.empty() ? -1 : *std::max_element(indices.begin(), indices.end());
     for (int64_t i = 0; i <= last; ++i) {
@@ -185,6 +227,10 @@ class VisionTransformerImpl : public ClassifierImpl {
   }
 
  private:
+  at::Tensor embed(const at::Tensor& in) {  // patch tokens after the class token, plus position embeddings
+    auto x = patch_embed_(in);
+    return torch::cat({cls_token_.expand({x.size(0), -1, -1}), x}, 1) + pos_embed_;
+  }
   void init_weights() {  // timm 'timm' mode: trunc_normal(.02) for Linear, zero biases
     torch::NoGradGuard ng;
     trunc_normal_(pos_embed_, 0.0, 0.02, -2.0, 2.0);

@@ -60,7 +60,9 @@ class ClassifierImpl : public torch::nn::Module {
  public:
   virtual at::Tensor forward_features(const at::Tensor& x) = 0;
   virtual at::Tensor forward_head(const at::Tensor& x, bool pre_logits = false) = 0;
-  at::Tensor forward(const at::Tensor& x) { return forward_head(forward_features(x)); }
+  // The logits. A model may compute them without what forward_features returns that the head never
+  // reads (ViT with class-token pooling: the last block's other tokens); the result is the same.
+  virtual at::Tensor forward(const at::Tensor& x) { return forward_head(forward_features(x)); }
   virtual int64_t num_classes() const = 0;
   virtual int64_t num_features() const = 0;
   // Parameters excluded from weight decay beyond timm's 1-D rule (timm's model.no_weight_decay()).

@@ -1066,6 +1066,90 @@ TEST_CASE("ViT's training step with its attention kernels equals the modules' wi
   }
 }
 
+// The token counts (dim 1 of the first input) of every aten::layer_norm `f` calls on this thread.
+std::vector<int64_t> layer_norm_tokens(const std::function<void()>& f) {
+  static thread_local std::vector<int64_t>* out = nullptr;
+  std::vector<int64_t> tokens;
+  out = &tokens;
+  auto handle = at::addThreadLocalCallback(
+      at::RecordFunctionCallback([](const at::RecordFunction& r) -> std::unique_ptr<at::ObserverContext> {
+        if (out && std::string(r.name()) == "aten::layer_norm" && !r.inputs().empty() && r.inputs()[0].isTensor())
+          out->push_back(r.inputs()[0].toTensor().size(1));
+        return nullptr;
+      }).needsInputs(true));
+  f();
+  at::removeCallback(handle);
+  out = nullptr;
+  return tokens;
+}
+
+TEST_CASE("ViT's logits with class-token pooling skip the last block's other rows and equal the whole forward's",
+          "[models]") {
+  ModelArgs a;
+  a.num_classes = 5;
+  a.img_size = 64;  // 17 tokens
+  a.drop_path_rate = 0.2;
+  const auto x = torch::randn({3, 3, 64, 64});
+  auto close = [](const at::Tensor& got, const at::Tensor& ref) {
+    const double scale = std::max(1e-3, ref.abs().max().item<double>());
+    return (got - ref).abs().max().item<double>() <= 1e-4 * scale;
+  };
+  SECTION("eval, with and without inference fusion") {
+    torch::manual_seed(2);
+    auto m = model_zoo::create_model("vit_tiny_patch16_224", a);
+    m->eval();
+    torch::NoGradGuard ng;
+    for (bool fuse : {false, true}) {
+      INFO("inference fusion " << fuse);
+      set_inference_fusion(*m, fuse);
+      const auto ref = m->forward_head(m->forward_features(x));
+      at::Tensor y;
+      const auto tokens = layer_norm_tokens([&] { y = m->forward(x); });
+      CHECK(close(y, ref));
+      // 12 blocks' norm1 over 17 tokens, 11 norm2 over 17, the last norm2 and the final norm over 1
+      REQUIRE(tokens.size() == 25u);
+      CHECK(std::count(tokens.begin(), tokens.end(), int64_t(1)) == 2);
+      CHECK(std::count(tokens.begin(), tokens.end(), int64_t(17)) == 23);
+    }
+  }
+  SECTION("training with drop path, with and without the attention kernels: logits and gradients") {
+    for (bool fuse : {false, true}) {
+      INFO("training fusion " << fuse);
+      auto run = [&](bool whole) {
+        torch::manual_seed(3);
+        auto m = model_zoo::create_model("vit_tiny_patch16_224", a);
+        set_training_fusion(*m, fuse);
+        m->train();
+        torch::manual_seed(4);  // the same drop-path draws: one [B, 1, 1] mask per branch, in block order
+        const auto y = whole ? m->forward_head(m->forward_features(x)) : m->forward(x);
+        torch::nn::functional::cross_entropy(y, torch::tensor({1, 3, 0})).backward();
+        std::vector<std::pair<std::string, at::Tensor>> out{{"logits", y.detach()}};
+        for (auto& p : m->named_parameters()) out.emplace_back("grad " + p.key(), p.value().grad());
+        return out;
+      };
+      const auto ref = run(true), got = run(false);
+      REQUIRE(ref.size() == got.size());
+      for (size_t i = 0; i < ref.size(); ++i) {
+        INFO(ref[i].first);
+        REQUIRE(got[i].second.defined());
+        CHECK(close(got[i].second, ref[i].second));
+      }
+    }
+  }
+  SECTION("average pooling reads every token: the whole forward, bit for bit") {
+    a.global_pool = "avg";
+    torch::manual_seed(2);
+    auto m = model_zoo::create_model("vit_tiny_patch16_224", a);
+    m->eval();
+    torch::NoGradGuard ng;
+    const auto ref = m->forward_head(m->forward_features(x));
+    at::Tensor y;
+    const auto tokens = layer_norm_tokens([&] { y = m->forward(x); });
+    CHECK(torch::equal(y, ref));
+    CHECK(std::count(tokens.begin(), tokens.end(), int64_t(1)) == 0);
+  }
+}
+
 TEST_CASE("inference fusion of ViT and ConvNeXt: GELU and residual adds as linear post-ops, equal within rounding",
           "[models]") {
   for (const char* name : {"vit_tiny_patch16_224", "convnext_tiny"}) {
