@@ -516,7 +516,7 @@ int benchmark(const cli::Config& cfg) {
   log::info("Benchmarking in {} precision. {} layout.", precision_name(amp),
             nhwc(cfg.bench == "train") ? "NHWC" : "NCHW");
   if (cfg.bench == "both" && nhwc(true) != nhwc(false))
-    log::info("Training in {} layout (this family's CPU default; --channels-last [=false] chooses).",
+    log::info("The training step in {} layout (this family's CPU default; --channels-last [=false] chooses).",
               nhwc(true) ? "NHWC" : "NCHW");
 
   nlohmann::ordered_json results;

@@ -88,12 +88,14 @@ void build(Run& r, const cli::Config& cfg, torch::Device device, dist::Context* 
   Task& task = *r.setup.task;
   log::info("Model {} created, param count:{}", cfg.model, model_zoo::count_params(*r.model));
   task.load_pretrained(*r.model);
+  const std::string how = amp.o2 ? fmt::format("apex O2: {} weights with float32 master weights",
+                                                amp.dtype == at::kBFloat16 ? "bfloat16" : "float16")
+                                  : std::string("native Torch AMP");
   if (r.scaler)
-    log::info("Using {}. Training in mixed precision ({} loss scaling).",
-              amp.o2 ? "O2: half-precision weights with float32 master weights" : "native Torch AMP",
+    log::info("Using {}. Training in mixed precision ({} loss scaling).", how,
               cfg.loss_scale ? fmt::format("static {}", *cfg.loss_scale) : std::string("dynamic"));
   else if (amp.enabled || amp.o2)
-    log::info("Using native Torch AMP. Training in mixed precision (bfloat16, no loss scaling).");
+    log::info("Using {}. Training in mixed precision (bfloat16, no loss scaling).", how);
   else
     log::info("AMP not enabled. Training in float32.");
   if (!cfg.initial_checkpoint.empty()) {

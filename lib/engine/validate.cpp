@@ -27,9 +27,23 @@ int validate(const cli::Config& cfg) {
   auto setup = tasks::create_validate_task(cfg, ck ? &ck->meta() : nullptr);
   Task& task = *setup.task;
   auto model = task.create_model();
-  if (ck)
-    ck->load_weights(*model, cfg.use_ema);
-  else
+  if (ck) {
+    try {
+      ck->load_weights(*model, cfg.use_ema);
+    } catch (const UserError& e) {  // weights that do not fit: say which flag built another model
+      const auto& m = ck->meta();
+      std::string why;
+      if (!cfg.gp.empty() && m.global_pool && *m.global_pool != cfg.gp)
+        why += fmt::format(" (the checkpoint was trained with {}; --gp {} builds other layers)",
+                           m.global_pool->empty() ? "the model's default pooling" : "--gp " + *m.global_pool, cfg.gp);
+      if (cfg.img_size && m.img_size && *cfg.img_size != *m.img_size)
+        why += fmt::format(" (the checkpoint was trained at --img-size {}; --checkpoint loads weights as they are: "
+                           "--model {} --pretrained-path {} resamples a ViT's position embeddings)",
+                           *m.img_size, m.arch.empty() ? cfg.model : m.arch, cfg.checkpoint);
+      if (why.empty()) throw;
+      throw UserError(e.what() + why);
+    }
+  } else
     task.load_pretrained(*model);
   model->to(device);
   if (cfg.channels_last) to_channels_last(*model);

@@ -273,7 +273,7 @@ TEST_CASE("mixed precision: float16 with a loss scaler, bfloat16 without", "[int
                      "--amp-dtype bfloat16 --channels-last --output " + out.path.string() + " --experiment b");
   INFO(b.output);
   CHECK(b.code == 0);
-  CHECK_THAT(b.output, Catch::Contains("bfloat16, no loss scaling"));
+  CHECK_THAT(b.output, Catch::Contains("Using native Torch AMP. Training in mixed precision (bfloat16, no loss scaling)."));
   // apex O2 (bfloat16 on the CPU): half weights, float32 BatchNorm and masters in the checkpoint,
   // and it resumes and validates
   const std::string o2 = " train --data-dir " + data + kSmallArgs + " --amp-opt-level O2 --amp-dtype bfloat16 " +
@@ -281,7 +281,8 @@ TEST_CASE("mixed precision: float16 with a loss scaler, bfloat16 without", "[int
   auto c = test::run(kBin + o2 + " --epochs 1");
   INFO(c.output);
   REQUIRE(c.code == 0);
-  CHECK_THAT(c.output, Catch::Contains("bfloat16, no loss scaling"));
+  CHECK_THAT(c.output, Catch::Contains("Using apex O2: bfloat16 weights with float32 master weights. Training in mixed "
+                                       "precision (bfloat16, no loss scaling)."));
   auto so = io::load_safetensors(out / "o2/last.safetensors");
   CHECK(so.find("model.conv1.weight")->scalar_type() == at::kBFloat16);
   CHECK(so.find("model.bn1.weight")->scalar_type() == at::kFloat);
@@ -462,6 +463,19 @@ TEST_CASE("a ViT trains at a custom image size, and a size off the patch grid is
   auto st = io::load_safetensors(out / "v/last.safetensors");
   REQUIRE(st.find("model.pos_embed") != nullptr);
   CHECK(st.find("model.pos_embed")->sizes() == std::vector<int64_t>{1, 5, 192});  // 2x2 patches + class token
+  // validate with flags that build another model: the error says which flag, and what resamples
+  const std::string ck = out / "v/last.safetensors";
+  const std::string val = kBin + " validate --device cpu --data-dir " + data + " --checkpoint " + ck;
+  expect_user_error(test::run(val + " --gp avg"),
+                    "(the checkpoint was trained with the model's default pooling; --gp avg builds other layers)");
+  expect_user_error(test::run(val + " --img-size 64"),
+                    "(the checkpoint was trained at --img-size 32; --checkpoint loads weights as they are: --model "
+                    "vit_tiny_patch16_224 --pretrained-path " + ck + " resamples a ViT's position embeddings)");
+  auto rs = test::run(kBin + " validate --device cpu --data-dir " + data + " --model vit_tiny_patch16_224 --in-chans 1 "
+                      "--num-classes 10 --img-size 64 --pretrained-path " + ck);
+  INFO(rs.output);
+  CHECK(rs.code == 0);
+  CHECK_THAT(rs.output, Catch::Contains("resampled pos_embed from 5 to 17 tokens"));
   expect_user_error(test::run(kBin + " train --data-dir " + data + args + " --img-size 28"), "multiple of its patch size 16");
   // ConvNeXt's unpadded stem and downsamplings need 32 px
   expect_user_error(test::run(kBin + " train --data-dir " + data + " --model convnext_tiny --in-chans 1 --img-size 31 " +
