@@ -71,7 +71,7 @@ struct AttentionImpl : torch::nn::Module, TrainingFusion {
     const auto q = at::linear(x.narrow(1, 0, 1), w.narrow(0, 0, c), bias.narrow(0, 0, c)).view({b, 1, heads, d});
     at::Tensor kv;
     if (fused) {
-      if (!kv_from.matches(w)) {  // oneDNN packs a weight tensor it sees again: keep the rows as one
+      if (!kv_from.matches(w)) {  // kv_pack is kept while it sees the same tensor: one view until qkv changes
         kv_weight = w.detach().narrow(0, c, 2 * c).contiguous();
         kv_from.take(w);
       }

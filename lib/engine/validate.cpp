@@ -32,16 +32,18 @@ int validate(const cli::Config& cfg) {
       ck->load_weights(*model, cfg.use_ema);
     } catch (const UserError& e) {  // weights that do not fit: say which flag built another model
       const auto& m = ck->meta();
-      std::string why;
-      if (!cfg.gp.empty() && m.global_pool && *m.global_pool != cfg.gp)
+      const std::string msg = e.what();
+      std::string why;  // pooling changes only names (ViT: norm or fc_norm), the size only pos_embed's shape
+      const bool names_differ = msg.find(" missing ") != std::string::npos || msg.find(" unexpected ") != std::string::npos;
+      if (names_differ && !cfg.gp.empty() && m.global_pool && *m.global_pool != cfg.gp)
         why += fmt::format(" (the checkpoint was trained with {}; --gp {} builds other layers)",
                            m.global_pool->empty() ? "the model's default pooling" : "--gp " + *m.global_pool, cfg.gp);
-      if (cfg.img_size && m.img_size && *cfg.img_size != *m.img_size)
+      if (msg.find("pos_embed (") != std::string::npos && cfg.img_size && m.img_size && *cfg.img_size != *m.img_size)
         why += fmt::format(" (the checkpoint was trained at --img-size {}; --checkpoint loads weights as they are: "
                            "--model {} --pretrained-path {} resamples a ViT's position embeddings)",
                            *m.img_size, m.arch.empty() ? cfg.model : m.arch, cfg.checkpoint);
       if (why.empty()) throw;
-      throw UserError(e.what() + why);
+      throw UserError(msg + why);
     }
   } else
     task.load_pretrained(*model);

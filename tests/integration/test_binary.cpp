@@ -471,6 +471,10 @@ TEST_CASE("a ViT trains at a custom image size, and a size off the patch grid is
   expect_user_error(test::run(val + " --img-size 64"),
                     "(the checkpoint was trained at --img-size 32; --checkpoint loads weights as they are: --model "
                     "vit_tiny_patch16_224 --pretrained-path " + ck + " resamples a ViT's position embeddings)");
+  // weights that do not fit for another reason: no hint about flags that did not cause it
+  auto other = test::run(val + " --gp token --in-chans 3");
+  expect_user_error(other, "wrong shape patch_embed.proj.weight");
+  CHECK_THAT(other.output, !Catch::Contains("--gp token builds") && !Catch::Contains("resamples"));
   auto rs = test::run(kBin + " validate --device cpu --data-dir " + data + " --model vit_tiny_patch16_224 --in-chans 1 "
                       "--num-classes 10 --img-size 64 --pretrained-path " + ck);
   INFO(rs.output);
