@@ -60,7 +60,7 @@ struct AttentionImpl : torch::nn::Module, TrainingFusion {
       const auto parts = t.reshape({b, n, 3, heads, c / heads}).permute({2, 0, 3, 1, 4}).unbind(0);
       o = at::scaled_dot_product_attention(parts[0], parts[1], parts[2]).transpose(1, 2).reshape({b, n, c});
     }
-    return fused ? linear_add(o, proj->weight, proj->bias, residual, &proj_pack) : linear(*proj, o);
+    return project(o, residual);
   }
   // The class token's row of forward(x) (+ residual, the class token's input row, when defined:
   // inference fusion): keys and values for every token, the query for the class token alone.
@@ -81,7 +81,10 @@ struct AttentionImpl : torch::nn::Module, TrainingFusion {
     }
     const auto parts = kv.reshape({b, n, 2, heads, d}).permute({2, 0, 3, 1, 4}).unbind(0);
     const auto o = at::scaled_dot_product_attention(q.transpose(1, 2), parts[0], parts[1]).transpose(1, 2).reshape({b, 1, c});
-    return fused ? linear_add(o, proj->weight, proj->bias, residual, &proj_pack) : linear(*proj, o);
+    return project(o, residual);
+  }
+  at::Tensor project(const at::Tensor& o, const at::Tensor& residual) {  // proj(o) (+ residual: fused, one call)
+    return residual.defined() ? linear_add(o, proj->weight, proj->bias, residual, &proj_pack) : linear(*proj, o);
   }
   LinearPack proj_pack, qkv_pack, kv_pack;
   at::Tensor kv_weight;  // qkv's key and value rows (inference fusion), made from the weight stamped here

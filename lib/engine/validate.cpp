@@ -7,11 +7,13 @@
 #include "engine/commands.h"
 #include "engine/evaluate.h"
 #include "engine/setup.h"
+#include "io/weights.h"
 #include "model_zoo/registry.h"
 #include "tasks/tasks.h"
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cstdio>
 
 namespace imgtrain::engine {
@@ -30,20 +32,21 @@ int validate(const cli::Config& cfg) {
   if (ck) {
     try {
       ck->load_weights(*model, cfg.use_ema);
-    } catch (const UserError& e) {  // weights that do not fit: say which flag built another model
+    } catch (const io::WeightsMismatch& e) {  // weights that do not fit: say which flag built another model
       const auto& m = ck->meta();
-      const std::string msg = e.what();
       std::string why;  // pooling changes only names (ViT: norm or fc_norm), the size only pos_embed's shape
-      const bool names_differ = msg.find(" missing ") != std::string::npos || msg.find(" unexpected ") != std::string::npos;
+      const bool names_differ = !e.missing.empty() || !e.unexpected.empty();
+      const bool pos_embed_shape =
+          std::find(e.wrong_shape.begin(), e.wrong_shape.end(), "pos_embed") != e.wrong_shape.end();
       if (names_differ && !cfg.gp.empty() && m.global_pool && *m.global_pool != cfg.gp)
         why += fmt::format(" (the checkpoint was trained with {}; --gp {} builds other layers)",
                            m.global_pool->empty() ? "the model's default pooling" : "--gp " + *m.global_pool, cfg.gp);
-      if (msg.find("pos_embed (") != std::string::npos && cfg.img_size && m.img_size && *cfg.img_size != *m.img_size)
+      if (pos_embed_shape && cfg.img_size && m.img_size && *cfg.img_size != *m.img_size)
         why += fmt::format(" (the checkpoint was trained at --img-size {}; --checkpoint loads weights as they are: "
                            "--model {} --pretrained-path {} resamples a ViT's position embeddings)",
                            *m.img_size, m.arch.empty() ? cfg.model : m.arch, cfg.checkpoint);
       if (why.empty()) throw;
-      throw UserError(msg + why);
+      throw UserError(e.what() + why);
     }
   } else
     task.load_pretrained(*model);

@@ -47,7 +47,7 @@ void load_state_dict(torch::nn::Module& m, const SafeTensors& st, const std::str
   std::map<std::string, const at::Tensor*> src;
   for (auto& [k, v] : st.tensors)
     if (prefix.empty() || k.rfind(prefix, 0) == 0) src[k.substr(prefix.size())] = &v;
-  std::vector<std::string> missing, wrong, unexpected;
+  std::vector<std::string> missing, wrong, wrong_names, unexpected;
   std::set<std::string> used;
   auto dst = state_dict(m);
   for (auto& [k, t] : dst) {
@@ -58,9 +58,11 @@ void load_state_dict(torch::nn::Module& m, const SafeTensors& st, const std::str
       continue;
     }
     used.insert(k);
-    if (it->second->sizes() != t.sizes())
+    if (it->second->sizes() != t.sizes()) {
+      wrong_names.push_back(k);
       wrong.push_back(fmt::format("{} ({} in file, {} in model)", k, fmt::join(it->second->sizes(), "x"),
                                   fmt::join(t.sizes(), "x")));
+    }
   }
   for (auto& [k, v] : src)
     if (!used.count(k)) unexpected.push_back(k);
@@ -76,7 +78,7 @@ void load_state_dict(torch::nn::Module& m, const SafeTensors& st, const std::str
     if (!unexpected.empty()) msg += " unexpected " + list(unexpected) + ";";
     if (!wrong.empty()) msg += " wrong shape " + list(wrong) + ";";
     msg.pop_back();
-    throw UserError(msg);
+    throw WeightsMismatch(msg, std::move(missing), std::move(unexpected), std::move(wrong_names));
   }
   // NaN or infinite weights would only surface later as "training diverged": name them now.
   std::vector<std::string> non_finite;

@@ -2,6 +2,7 @@
 // exact name/shape checks, timm-style pretrained loading (classifier reset, first-conv channel
 // adaptation), the offline Hugging Face hub cache lookup, and plain state-dict export.
 #pragma once
+#include "core/error.h"
 #include "io/safetensors.h"
 
 #include <torch/nn/module.h>
@@ -25,9 +26,19 @@ std::vector<std::pair<std::string, at::Tensor>> state_dict(const torch::nn::Modu
 // later as "training diverged"); other dtypes are always finite.
 bool all_finite(const at::Tensor& t);
 
+// load_state_dict's refusal of weights whose names or shapes do not fit the model, with the names
+// it lists (for a caller that can say which of its flags built another model).
+struct WeightsMismatch : UserError {
+  WeightsMismatch(const std::string& msg, std::vector<std::string> missing_, std::vector<std::string> unexpected_,
+                  std::vector<std::string> wrong_shape_)
+      : UserError(msg), missing(std::move(missing_)), unexpected(std::move(unexpected_)),
+        wrong_shape(std::move(wrong_shape_)) {}
+  std::vector<std::string> missing, unexpected, wrong_shape;  // parameter and buffer names
+};
+
 // Copies tensors named `prefix + key` into the module; every key must match by name and shape
-// (except model keys in `keep`, which keep their values), otherwise a UserError lists what is
-// missing, unexpected or of the wrong shape.
+// (except model keys in `keep`, which keep their values), otherwise a WeightsMismatch lists what
+// is missing, unexpected or of the wrong shape.
 void load_state_dict(torch::nn::Module& m, const SafeTensors& st, const std::string& prefix, const std::string& what,
                      const std::set<std::string>& keep = {});
 
