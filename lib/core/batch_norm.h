@@ -64,6 +64,7 @@ class BatchNorm2dImpl : public torch::nn::BatchNorm2dImpl, public TrainingFusion
   // model's weights must not change while it is on.
   bool fuse_inference = false;
   at::Tensor folded_weight, folded_bias;
+  at::Tensor winograd_weight;  // the folded weight as Winograd's U (ops/winograd.h), where the conv takes it
   // Training fusion (fuse_train, set_training_fusion): training-mode forwards through conv_bn_act
   // run this BatchNorm, the residual add and the activation after it as one kernel
   // (ops::batch_norm_act_train; float32 CPU; other inputs take the modules).
@@ -79,6 +80,7 @@ inline void set_inference_fusion(torch::nn::Module& model, bool on) {
       bn->fuse_inference = on;
       bn->folded_weight = at::Tensor();
       bn->folded_bias = at::Tensor();
+      bn->winograd_weight = at::Tensor();
     }
     if (auto* f = dynamic_cast<InferenceFusion*>(m.get())) f->fuse_infer = on;
   }

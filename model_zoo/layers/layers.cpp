@@ -4,6 +4,7 @@
 #include "ops/norm_act.h"
 #include "ops/depthwise.h"
 #include "ops/se_gate.h"
+#include "ops/winograd.h"
 
 #include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -325,6 +326,17 @@ at::Tensor frozen_folded(torch::nn::Conv2dImpl& conv, imgtrain::BatchNorm2dImpl&
   return apply_act(y, act, true);
 }
 
+// Whether conv_bn_act's inference runs this convolution by Winograd's F(2x2, 3x3) (ops/winograd.h)
+// on channels-last float32 inputs: 3x3, stride 1, padding 1, no dilation or groups, and at least 32
+// channels in and out (at 16 oneDNN's direct convolution was faster: bench/winograd_parts.cpp)
+bool winograd_shape(const torch::nn::Conv2dImpl& conv, const ConvImpl* zconv, const std::vector<int64_t>& padding,
+                    const std::vector<int64_t>& stride, const std::vector<int64_t>& dilation) {
+  const auto& w = conv.weight;
+  return !zconv && w.dim() == 4 && w.size(2) == 3 && w.size(3) == 3 && w.size(0) >= 32 && w.size(1) >= 32 &&
+         conv.options.groups() == 1 && padding == std::vector<int64_t>{1, 1} && stride == std::vector<int64_t>{1, 1} &&
+         dilation == std::vector<int64_t>{1, 1} && w.scalar_type() == at::kFloat && w.device().is_cpu();
+}
+
 }  // namespace
 
 at::Tensor conv_bn_act(torch::nn::Conv2dImpl& conv, imgtrain::BatchNorm2dImpl& bn, const at::Tensor& x, Act act,
@@ -352,6 +364,7 @@ at::Tensor conv_bn_act(torch::nn::Conv2dImpl& conv, imgtrain::BatchNorm2dImpl& b
     if (bn.bias.defined()) shift = shift + bn.bias;
     if (conv.bias.defined()) shift = shift + conv.bias * scale;
     auto w = (conv.weight * scale.reshape({-1, 1, 1, 1})).contiguous(conv.weight.suggest_memory_format());
+    if (onednn && winograd_shape(conv, zconv, padding, stride, dilation)) bn.winograd_weight = ops::winograd_pack_3x3(w);
     // oneDNN's own weight layout for this convolution, made once (for the first input's shape;
     // other shapes still work) instead of on every call: +10-45% on EfficientNet-B0 and
     // MobileNetV3 at batch 8 against dense weights (docs/performance.md)
@@ -371,6 +384,11 @@ at::Tensor conv_bn_act(torch::nn::Conv2dImpl& conv, imgtrain::BatchNorm2dImpl& b
     if (residual.defined()) y.add_(residual);
     return apply_act(y, act, true);
   }
+  // 3x3 stride-1 convolutions of channels-last float32 maps without a residual: Winograd's
+  // F(2x2, 3x3), 1.2-2x oneDNN's direct convolution at ResNet's widths (docs/performance.md)
+  if (bn.winograd_weight.defined() && !residual.defined() && (act == Act::Identity || act == Act::ReLU) &&
+      ops::winograd_conv3x3_supported(input))
+    return ops::winograd_conv3x3(input, bn.winograd_weight, bn.folded_bias, act == Act::ReLU);
   const auto post = post_op(act);
   // oneDNN's fused add fails ("could not create a memory") when the maps are 1x1 (NCHW and NHWC
   // then describe the same bytes): there the add and activation run after the convolution.

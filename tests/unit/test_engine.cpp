@@ -17,6 +17,7 @@
 #include "ops/mlp.h"
 #include "ops/attention.h"
 #include "ops/se_gate.h"
+#include "ops/winograd.h"
 #include "ops/kernel_util.h"
 #include "optim/optim.h"
 #include "core/rng.h"
@@ -899,8 +900,13 @@ TEST_CASE("inference fusion: BatchNorm folded into the convolutions equals the m
       const double scale = ref.abs().max().item<double>();
       CHECK((y - ref).abs().max().item<double>() <= 1e-4 * scale);
       CHECK_FALSE(torch::equal(y, ref));  // the fused kernels did run
-      // every convolution a oneDNN fused op; squeeze-and-excite's two on the pooled map as GEMMs
-      CHECK_FALSE(ops_called([&] { m->forward(x); }).count("aten::conv2d"));
+      // every convolution a oneDNN fused op, or imgtrain's Winograd kernel for the ResNets' 3x3
+      // stride-1 convolutions without a residual (their inputs are channels-last in either layout:
+      // oneDNN's stem, its weight in oneDNN's own layout, writes channels-last); squeeze-and-excite's
+      // two on the pooled map as GEMMs
+      const auto ran = ops_called([&] { m->forward(x); });
+      CHECK_FALSE(ran.count("aten::conv2d"));
+      CHECK(ran.count("imgtrain::winograd_conv3x3") == size_t(std::string(name).rfind("resnet", 0) == 0));
       // another batch size
       const auto y2 = m->forward(x.slice(0, 0, 2));
       CHECK((y2 - ref.slice(0, 0, 2)).abs().max().item<double>() <= 1e-4 * scale);
@@ -915,6 +921,45 @@ TEST_CASE("inference fusion: BatchNorm folded into the convolutions equals the m
       for (auto* bn : bns) CHECK_FALSE(bn->folded_weight.defined());
     }
   }
+}
+
+TEST_CASE("Winograd's F(2x2, 3x3) convolution equals a float64 convolution as closely as ATen's float one",
+          "[ops]") {
+  // odd and even map sizes (partial tiles at the right and bottom edges), 1x1 maps, channel counts
+  // off the 16-float vectors (the scalar tails), with and without ReLU, on one and two threads
+  struct Case {
+    int64_t n, c, k, h, w;
+  };
+  const int threads = at::get_num_threads();
+  for (const Case cs : {Case{3, 20, 36, 7, 10}, Case{2, 32, 48, 8, 8}, Case{2, 64, 64, 1, 1}, Case{1, 17, 33, 2, 3},
+                        Case{4, 48, 32, 13, 5}}) {
+    for (bool relu : {false, true})
+      for (int t : {1, 2}) {
+        INFO("n " << cs.n << " c " << cs.c << " k " << cs.k << " " << cs.h << "x" << cs.w << " relu " << relu << " threads " << t);
+        at::set_num_threads(t);
+        torch::manual_seed(1);
+        const auto x = torch::randn({cs.n, cs.c, cs.h, cs.w}).contiguous(at::MemoryFormat::ChannelsLast);
+        const auto w = torch::randn({cs.k, cs.c, 3, 3}) / std::sqrt(9.0 * double(cs.c));
+        const auto b = torch::randn({cs.k}) * 0.1;
+        REQUIRE(ops::winograd_conv3x3_supported(x));
+        const auto y = ops::winograd_conv3x3(x, ops::winograd_pack_3x3(w), b, relu);
+        CHECK(y.sizes() == torch::IntArrayRef{cs.n, cs.k, cs.h, cs.w});
+        CHECK(y.is_contiguous(at::MemoryFormat::ChannelsLast));
+        auto ref = torch::conv2d(x.to(torch::kDouble), w.to(torch::kDouble), b.to(torch::kDouble), 1, 1);
+        auto aten = torch::conv2d(x, w, b, 1, 1);
+        if (relu) ref.relu_(), aten.relu_();
+        const double scale = ref.abs().max().item<double>();
+        const double err = (y.to(torch::kDouble) - ref).abs().max().item<double>() / scale;
+        const double err_aten = (aten.to(torch::kDouble) - ref).abs().max().item<double>() / scale;
+        CHECK(err <= std::max(4 * err_aten, 1e-6));
+        if (relu) CHECK(y.min().item<float>() >= 0.0f);
+      }
+  }
+  at::set_num_threads(threads);
+  // inputs it does not take: NCHW memory with maps over 1x1, float64, other devices' tensors aside
+  CHECK_FALSE(ops::winograd_conv3x3_supported(torch::randn({1, 32, 4, 4})));
+  CHECK_FALSE(ops::winograd_conv3x3_supported(
+      torch::randn({1, 32, 4, 4}, torch::kDouble).contiguous(at::MemoryFormat::ChannelsLast)));
 }
 
 // Whether this build and CPU run imgtrain's AVX-512 attention kernel (ops/attention.h).

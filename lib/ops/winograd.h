@@ -1,0 +1,23 @@
+// 3x3 convolutions with stride 1 and padding 1 by Winograd's minimal filtering F(2x2, 3x3), for
+// inference on the CPU: each 2x2 block of outputs from a 4x4 input patch with 16 multiplications a
+// channel pair where the direct convolution needs 36, so 2.25x fewer multiply-adds; the transforms
+// are additions and halvings (float rounding of the same order as the direct sum's, no division).
+#pragma once
+#include <ATen/core/Tensor.h>
+
+namespace imgtrain::ops {
+
+// The transformed filters of a weight [K, C, 3, 3]: U [16, C, K] float32, U[4i+j] = (G g G^T)[i][j]
+// (computed in float64, rounded once).
+at::Tensor winograd_pack_3x3(const at::Tensor& weight);
+
+// Whether winograd_conv3x3 takes x: a float32 CPU [N, C, H, W] in channels-last memory.
+bool winograd_conv3x3_supported(const at::Tensor& x);
+
+// y = conv2d(x, weight, bias, stride 1, padding 1) with ReLU after it when `relu`, from the packed
+// filters U = winograd_pack_3x3(weight) and bias [K] (float32). x and y channels-last [N, C|K, H, W].
+// The tiles of outputs are shared among at::parallel_for's threads in blocks whose transformed
+// inputs and products stay in cache; each block's 16 products run as one batched GEMM.
+at::Tensor winograd_conv3x3(const at::Tensor& x, const at::Tensor& U, const at::Tensor& bias, bool relu);
+
+}  // namespace imgtrain::ops
