@@ -60,10 +60,11 @@ IMGTRAIN_CLONES void input_transform(const float* const* p, int64_t C, float* v,
     input_transform_at<float>(p, c, v, xs, [](const float* q) { return *q; }, [](float* q, float a) { *q = a; });
 }
 
-// The 2x2 outputs y[a][b] = (A^T m A)[a][b] + bias, ReLU'd when relu, from m[4i+j][k] (stride xs)
+// The 2x2 outputs y[a][b] = (A^T m A)[a][b] + bias + res[a][b], ReLU'd when relu, from m[4i+j][k]
+// (stride xs); res null for no residual
 template <typename T, typename L, typename S>
-IMGTRAIN_AI void output_transform_at(const float* m, int64_t xs, int64_t k, const float* bias, T lo, float* const* y,
-                                     L ld, S st) {
+IMGTRAIN_AI void output_transform_at(const float* m, int64_t xs, int64_t k, const float* bias, T lo,
+                                     const float* const* res, float* const* y, L ld, S st) {
   T q[16];
   for (int e = 0; e < 16; ++e) q[e] = ld(m + e * xs + k);
   // s = A^T m (2 x 4)
@@ -76,6 +77,10 @@ IMGTRAIN_AI void output_transform_at(const float* m, int64_t xs, int64_t k, cons
   for (int a = 0; a < 2; ++a) {
     const T* r = s + 4 * a;
     T y0 = (r[0] + r[1] + r[2]) + b, y1 = (r[1] - r[2] - r[3]) + b;
+    if (res) {
+      y0 = y0 + ld(res[2 * a] + k);
+      y1 = y1 + ld(res[2 * a + 1] + k);
+    }
     y0 = y0 > lo ? y0 : lo;
     y1 = y1 > lo ? y1 : lo;
     st(y[2 * a] + k, y0);
@@ -83,13 +88,13 @@ IMGTRAIN_AI void output_transform_at(const float* m, int64_t xs, int64_t k, cons
   }
 }
 IMGTRAIN_CLONES void output_transform(const float* m, int64_t xs, int64_t K, const float* bias, bool relu,
-                                      float* const* y) {
+                                      const float* const* res, float* const* y) {
   const float lo = relu ? 0.0f : -std::numeric_limits<float>::infinity();
   const f16v lov = f16v{} + lo;
   int64_t k = 0;
-  for (; k + 16 <= K; k += 16) output_transform_at<f16v>(m, xs, k, bias, lov, y, load16, store16);
+  for (; k + 16 <= K; k += 16) output_transform_at<f16v>(m, xs, k, bias, lov, res, y, load16, store16);
   for (; k < K; ++k)
-    output_transform_at<float>(m, xs, k, bias, lo, y, [](const float* q) { return *q; },
+    output_transform_at<float>(m, xs, k, bias, lo, res, y, [](const float* q) { return *q; },
                                [](float* q, float a) { *q = a; });
 }
 
@@ -131,12 +136,20 @@ bool winograd_conv3x3_supported(const at::Tensor& x) {
          x.is_contiguous(at::MemoryFormat::ChannelsLast) && x.size(2) > 0 && x.size(3) > 0;
 }
 
-at::Tensor winograd_conv3x3(const at::Tensor& x, const at::Tensor& U, const at::Tensor& bias, bool relu) {
+at::Tensor winograd_conv3x3(const at::Tensor& x, const at::Tensor& U, const at::Tensor& bias, bool relu,
+                            const at::Tensor& residual, bool into_residual) {
   TORCH_CHECK(winograd_conv3x3_supported(x), "winograd_conv3x3: x must be float32 channels-last on the CPU");
   const int64_t N = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3), K = U.size(2);
   TORCH_CHECK(U.dim() == 3 && U.size(0) == 16 && U.size(1) == C && U.is_contiguous(), "winograd_conv3x3: U [16, C, K]");
   TORCH_CHECK(bias.numel() == K && bias.is_contiguous() && bias.scalar_type() == at::kFloat, "winograd_conv3x3: bias [K]");
-  auto y = at::empty({N, K, H, W}, x.options().memory_format(at::MemoryFormat::ChannelsLast));
+  TORCH_CHECK(!into_residual || residual.defined(), "winograd_conv3x3: into_residual without a residual");
+  // in place: each output element is written after the residual's value at its place is read
+  auto y = into_residual ? residual : at::empty({N, K, H, W}, x.options().memory_format(at::MemoryFormat::ChannelsLast));
+  TORCH_CHECK(!residual.defined() || (residual.sizes() == y.sizes() && residual.scalar_type() == at::kFloat &&
+                                      residual.device().is_cpu() &&
+                                      residual.is_contiguous(at::MemoryFormat::ChannelsLast)),
+              "winograd_conv3x3: residual [N, K, H, W] float32 channels-last");
+  const float* rp = residual.defined() ? residual.data_ptr<float>() : nullptr;
   const int64_t th = (H + 1) / 2, tw = (W + 1) / 2, tiles = N * th * tw;
   const int64_t T = block_tiles(tiles), blocks = (tiles + T - 1) / T;
   const float* xp = x.data_ptr<float>();
@@ -146,13 +159,13 @@ at::Tensor winograd_conv3x3(const at::Tensor& x, const at::Tensor& U, const at::
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     c10::AutoGradMode no_grad(false);
     thread_local AlignedVector<float> scratch;
-    const size_t need = size_t(16 * T * (C + K) + C + K);
+    const size_t need = size_t(16 * T * (C + K) + std::max(C, K) + K);
     if (scratch.size() < need) scratch.resize(need);
     float* V = scratch.data();
     float* M = V + 16 * T * C;
-    float* zeros = M + 16 * T * K;  // C zeros: the padding's pixels
-    float* sink = zeros + C;        // K floats: outputs past the map's edge
-    std::fill(zeros, zeros + C, 0.0f);
+    float* zeros = M + 16 * T * K;         // zeros: the padding's pixels, the residual past the edge
+    float* sink = zeros + std::max(C, K);  // K floats: outputs past the map's edge
+    std::fill(zeros, sink, 0.0f);
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t t0 = blk * T, nt = std::min(T, tiles - t0);
       for (int64_t i = 0; i < nt; ++i) {
@@ -171,12 +184,15 @@ at::Tensor winograd_conv3x3(const at::Tensor& x, const at::Tensor& U, const at::
       for (int64_t i = 0; i < nt; ++i) {
         const int64_t t = t0 + i, n = t / (th * tw), r = t % (th * tw), ty = r / tw, tx = r % tw;
         float* o[4];
+        const float* ro[4];
         for (int a = 0; a < 2; ++a)
           for (int b = 0; b < 2; ++b) {
-            const int64_t h = 2 * ty + a, w = 2 * tx + b;
-            o[2 * a + b] = (h < H && w < W) ? yp + ((n * H + h) * W + w) * K : sink;
+            const int64_t h = 2 * ty + a, w = 2 * tx + b, off = ((n * H + h) * W + w) * K;
+            const bool in = h < H && w < W;
+            o[2 * a + b] = in ? yp + off : sink;
+            ro[2 * a + b] = in && rp ? rp + off : zeros;
           }
-        output_transform(M + i * K, nt * K, K, bp, relu, o);
+        output_transform(M + i * K, nt * K, K, bp, relu, rp ? ro : nullptr, o);
       }
     }
   });

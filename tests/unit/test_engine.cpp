@@ -942,17 +942,29 @@ TEST_CASE("Winograd's F(2x2, 3x3) convolution equals a float64 convolution as cl
         const auto w = torch::randn({cs.k, cs.c, 3, 3}) / std::sqrt(9.0 * double(cs.c));
         const auto b = torch::randn({cs.k}) * 0.1;
         REQUIRE(ops::winograd_conv3x3_supported(x));
-        const auto y = ops::winograd_conv3x3(x, ops::winograd_pack_3x3(w), b, relu);
-        CHECK(y.sizes() == torch::IntArrayRef{cs.n, cs.k, cs.h, cs.w});
-        CHECK(y.is_contiguous(at::MemoryFormat::ChannelsLast));
-        auto ref = torch::conv2d(x.to(torch::kDouble), w.to(torch::kDouble), b.to(torch::kDouble), 1, 1);
-        auto aten = torch::conv2d(x, w, b, 1, 1);
-        if (relu) ref.relu_(), aten.relu_();
-        const double scale = ref.abs().max().item<double>();
-        const double err = (y.to(torch::kDouble) - ref).abs().max().item<double>() / scale;
-        const double err_aten = (aten.to(torch::kDouble) - ref).abs().max().item<double>() / scale;
-        CHECK(err <= std::max(4 * err_aten, 1e-6));
-        if (relu) CHECK(y.min().item<float>() >= 0.0f);
+        const auto U = ops::winograd_pack_3x3(w);
+        const auto r = torch::randn({cs.n, cs.k, cs.h, cs.w}).contiguous(at::MemoryFormat::ChannelsLast);
+        for (bool with_residual : {false, true}) {
+          INFO("residual " << with_residual);
+          const auto y = ops::winograd_conv3x3(x, U, b, relu, with_residual ? r : at::Tensor());
+          CHECK(y.sizes() == torch::IntArrayRef{cs.n, cs.k, cs.h, cs.w});
+          CHECK(y.is_contiguous(at::MemoryFormat::ChannelsLast));
+          auto ref = torch::conv2d(x.to(torch::kDouble), w.to(torch::kDouble), b.to(torch::kDouble), 1, 1);
+          auto aten = torch::conv2d(x, w, b, 1, 1);
+          if (with_residual) ref += r.to(torch::kDouble), aten += r;
+          if (relu) ref.relu_(), aten.relu_();
+          const double scale = ref.abs().max().item<double>();
+          const double err = (y.to(torch::kDouble) - ref).abs().max().item<double>() / scale;
+          const double err_aten = (aten.to(torch::kDouble) - ref).abs().max().item<double>() / scale;
+          CHECK(err <= std::max(4 * err_aten, 1e-6));
+          if (relu) CHECK(y.min().item<float>() >= 0.0f);
+          if (with_residual) {  // summed into the residual's memory: the same numbers
+            auto into = r.clone();
+            const auto y2 = ops::winograd_conv3x3(x, U, b, relu, into, true);
+            CHECK(y2.data_ptr() == into.data_ptr());
+            CHECK(torch::equal(y2, y));
+          }
+        }
       }
   }
   at::set_num_threads(threads);
@@ -1556,9 +1568,12 @@ TEST_CASE("training: ConvNeXt's LayerNorm, MLP, layer scale and residual on tile
 }
 
 TEST_CASE("inference fusion sums a residual in place only when nothing else holds it", "[models]") {
+  // 8 channels: oneDNN's fused convolution; 32: imgtrain's Winograd kernel
+  for (int64_t ch : {8, 32}) {
+  INFO(ch << " channels");
   torch::manual_seed(4);
-  torch::nn::Conv2d conv(torch::nn::Conv2dOptions(8, 8, 3).padding(1).bias(false));
-  BatchNorm2d bn(8);
+  torch::nn::Conv2d conv(torch::nn::Conv2dOptions(ch, ch, 3).padding(1).bias(false));
+  BatchNorm2d bn(ch);
   {
     torch::NoGradGuard ng;
     bn->running_mean.uniform_(-0.3, 0.3);
@@ -1569,8 +1584,8 @@ TEST_CASE("inference fusion sums a residual in place only when nothing else hold
   conv->weight.set_data(conv->weight.contiguous(at::MemoryFormat::ChannelsLast));
   set_inference_fusion(*bn, true);
   torch::NoGradGuard ng;
-  const auto x = torch::randn({2, 8, 10, 12}).contiguous(at::MemoryFormat::ChannelsLast);
-  const auto r = torch::randn({2, 8, 10, 12}).contiguous(at::MemoryFormat::ChannelsLast);
+  const auto x = torch::randn({2, ch, 10, 12}).contiguous(at::MemoryFormat::ChannelsLast);
+  const auto r = torch::randn({2, ch, 10, 12}).contiguous(at::MemoryFormat::ChannelsLast);
   const auto r_before = r.clone();
   const auto want = torch::relu(bn->forward(conv->forward(x)) + r);
   for (auto act : {model_zoo::Act::ReLU, model_zoo::Act::Identity}) {
@@ -1592,6 +1607,9 @@ TEST_CASE("inference fusion sums a residual in place only when nothing else hold
     y = model_zoo::conv_bn_act(*conv, *bn, x, act, std::move(sole));
     CHECK(y.data_ptr() == mem);
     CHECK((y - ref).abs().max().item<double>() < 1e-5);
+    CHECK(ops_called([&] { model_zoo::conv_bn_act(*conv, *bn, x, act, r); }).count("imgtrain::winograd_conv3x3") ==
+          size_t(ch == 32));
+  }
   }
   // in a model: a block whose shortcut is the stage's input (resnet18's layer1.0), given an input
   // the caller keeps
