@@ -139,16 +139,19 @@ bool winograd_conv3x3_supported(const at::Tensor& x) {
 at::Tensor winograd_conv3x3(const at::Tensor& x, const at::Tensor& U, const at::Tensor& bias, bool relu,
                             const at::Tensor& residual, bool into_residual) {
   TORCH_CHECK(winograd_conv3x3_supported(x), "winograd_conv3x3: x must be float32 channels-last on the CPU");
+  TORCH_CHECK(U.dim() == 3 && U.size(0) == 16 && U.size(1) == x.size(1) && U.is_contiguous() &&
+                  U.scalar_type() == at::kFloat && U.device().is_cpu(),
+              "winograd_conv3x3: U [16, C, K]");
   const int64_t N = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3), K = U.size(2);
-  TORCH_CHECK(U.dim() == 3 && U.size(0) == 16 && U.size(1) == C && U.is_contiguous(), "winograd_conv3x3: U [16, C, K]");
   TORCH_CHECK(bias.numel() == K && bias.is_contiguous() && bias.scalar_type() == at::kFloat, "winograd_conv3x3: bias [K]");
   TORCH_CHECK(!into_residual || residual.defined(), "winograd_conv3x3: into_residual without a residual");
-  // in place: each output element is written after the residual's value at its place is read
-  auto y = into_residual ? residual : at::empty({N, K, H, W}, x.options().memory_format(at::MemoryFormat::ChannelsLast));
-  TORCH_CHECK(!residual.defined() || (residual.sizes() == y.sizes() && residual.scalar_type() == at::kFloat &&
-                                      residual.device().is_cpu() &&
+  TORCH_CHECK(!residual.defined() || (residual.sizes() == at::IntArrayRef{N, K, H, W} &&
+                                      residual.scalar_type() == at::kFloat && residual.device().is_cpu() &&
                                       residual.is_contiguous(at::MemoryFormat::ChannelsLast)),
               "winograd_conv3x3: residual [N, K, H, W] float32 channels-last");
+  // in place: each output element is written after the residual's value at its place is read
+  auto y = into_residual ? residual : at::empty({N, K, H, W}, x.options().memory_format(at::MemoryFormat::ChannelsLast));
+  if (y.numel() == 0) return y;
   const float* rp = residual.defined() ? residual.data_ptr<float>() : nullptr;
   const int64_t th = (H + 1) / 2, tw = (W + 1) / 2, tiles = N * th * tw;
   const int64_t T = block_tiles(tiles), blocks = (tiles + T - 1) / T;

@@ -968,6 +968,16 @@ TEST_CASE("Winograd's F(2x2, 3x3) convolution equals a float64 convolution as cl
       }
   }
   at::set_num_threads(threads);
+  {  // an empty batch; a residual of another shape is refused, also in place
+    const auto w = torch::randn({32, 32, 3, 3});
+    const auto U = ops::winograd_pack_3x3(w);
+    const auto x0 = torch::randn({0, 32, 6, 6}).contiguous(at::MemoryFormat::ChannelsLast);
+    CHECK(ops::winograd_conv3x3(x0, U, torch::zeros({32}), true).sizes() == torch::IntArrayRef{0, 32, 6, 6});
+    const auto x = torch::randn({1, 32, 6, 6}).contiguous(at::MemoryFormat::ChannelsLast);
+    const auto r = torch::randn({1, 32, 6, 5}).contiguous(at::MemoryFormat::ChannelsLast);
+    CHECK_THROWS(ops::winograd_conv3x3(x, U, torch::zeros({32}), true, r));
+    CHECK_THROWS(ops::winograd_conv3x3(x, U, torch::zeros({32}), true, r, true));
+  }
   // inputs it does not take: NCHW memory with maps over 1x1, float64, other devices' tensors aside
   CHECK_FALSE(ops::winograd_conv3x3_supported(torch::randn({1, 32, 4, 4})));
   CHECK_FALSE(ops::winograd_conv3x3_supported(
