@@ -8,24 +8,13 @@
 //       -L$T/lib -ltorch -ltorch_cpu -lc10 -Wl,-rpath,$T/lib -Wno-psabi
 //       (T=$(.venv/bin/python -c 'import torch, os; print(os.path.dirname(torch.__file__))'))
 //   taskset -c 1 /tmp/gelu_parts
+#include "best_ms.h"
 #include "ops/mlp.cpp"
 
 #include <ATen/ops/randn.h>
 #include <ATen/ops/zeros.h>
 
-#include <chrono>
 #include <cstdio>
-
-template <typename F>
-double best_ms(F f, int passes = 15) {
-  double b = 1e30;
-  for (int i = 0; i < passes; ++i) {
-    const auto t0 = std::chrono::steady_clock::now();
-    f();
-    b = std::min(b, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-  }
-  return b;
-}
 
 int main() {
   using namespace imgtrain::ops;
@@ -33,11 +22,11 @@ int main() {
   for (int64_t rows : {256, 1568}) {
     const auto h = at::randn({rows, 1536}), d = at::randn({rows, 1536}), zero = at::zeros({1536});
     auto inplace = h.clone(), kept = h.clone(), dg = d.clone();
-    const double gelu = best_ms([&] { auto a = at::gelu(h); });
-    const double gelu_bw = best_ms([&] { auto g = at::gelu_backward(d, h); });
-    const double ours_inplace = best_ms([&] { bias_gelu_(inplace, zero); });
-    const double ours_keep = best_ms([&] { auto a = bias_gelu_keep_(kept, zero); });
-    const double ours_grad = best_ms([&] { auto a = gelu_grad_(h, dg); });
+    const double gelu = best_ms([&] { auto a = at::gelu(h); }, 15);
+    const double gelu_bw = best_ms([&] { auto g = at::gelu_backward(d, h); }, 15);
+    const double ours_inplace = best_ms([&] { bias_gelu_(inplace, zero); }, 15);
+    const double ours_keep = best_ms([&] { auto a = bias_gelu_keep_(kept, zero); }, 15);
+    const double ours_grad = best_ms([&] { auto a = gelu_grad_(h, dg); }, 15);
     std::printf("%lld x 1536: at::gelu %.3f  at::gelu_backward %.3f  |  bias_gelu_ (in place) %.3f  "
                 "bias_gelu_keep_ (h and gelu(h)) %.3f  gelu_grad_ (gelu(h) and the gradient) %.3f\n",
                 (long long)rows, gelu, gelu_bw, ours_inplace, ours_keep, ours_grad);

@@ -8,25 +8,14 @@
 //       -L$T/lib -ltorch -ltorch_cpu -lc10 -Wl,-rpath,$T/lib -Wno-psabi -fopenmp
 //       (T=$(.venv/bin/python -c 'import torch, os; print(os.path.dirname(torch.__file__))'))
 //   OMP_NUM_THREADS=2 /tmp/winograd_parts
+#include "best_ms.h"
 #include "ops/winograd.cpp"
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <array>
-#include <chrono>
 #include <cstdio>
-
-template <typename F>
-double best_ms(F f, int passes = 9) {
-  double best = 1e30;
-  for (int i = 0; i < passes; ++i) {
-    const auto t0 = std::chrono::steady_clock::now();
-    f();
-    best = std::min(best, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-  }
-  return best;
-}
 
 int main() {
   c10::InferenceMode guard;
@@ -49,8 +38,8 @@ int main() {
     at::Tensor yd, yw;
     const double td = best_ms([&] {
       yd = op.call(x, wc, b, {1, 1}, {1, 1}, {1, 1}, 1, "relu", c10::List<std::optional<c10::Scalar>>(), std::nullopt);
-    });
-    const double tw = best_ms([&] { yw = imgtrain::ops::winograd_conv3x3(x, U, b, true); });
+    }, 9);
+    const double tw = best_ms([&] { yw = imgtrain::ops::winograd_conv3x3(x, U, b, true); }, 9);
     const auto ref = at::conv2d(x.to(at::kDouble), w.to(at::kDouble), b.to(at::kDouble), 1, 1).relu_();
     const double scale = ref.abs().max().item<double>();
     const double ed = (yd.to(at::kDouble) - ref).abs().max().item<double>() / scale;

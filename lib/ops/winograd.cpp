@@ -131,24 +131,27 @@ at::Tensor winograd_pack_3x3(const at::Tensor& weight) {
   return U;
 }
 
-bool winograd_conv3x3_supported(const at::Tensor& x) {
-  return x.dim() == 4 && x.scalar_type() == at::kFloat && x.device().is_cpu() &&
-         x.is_contiguous(at::MemoryFormat::ChannelsLast) && x.size(2) > 0 && x.size(3) > 0;
+bool winograd_conv3x3_supported(const at::Tensor& x, const at::Tensor& U, const at::Tensor& residual) {
+  const auto cl = at::MemoryFormat::ChannelsLast;
+  if (x.dim() != 4 || x.scalar_type() != at::kFloat || !x.device().is_cpu() || !x.is_contiguous(cl) ||
+      x.size(2) == 0 || x.size(3) == 0)
+    return false;
+  if (U.dim() != 3 || U.size(0) != 16 || U.size(1) != x.size(1) || !U.is_contiguous() ||
+      U.scalar_type() != at::kFloat || !U.device().is_cpu())
+    return false;
+  return !residual.defined() ||
+         (residual.sizes() == at::IntArrayRef{x.size(0), U.size(2), x.size(2), x.size(3)} &&
+          residual.scalar_type() == at::kFloat && residual.device().is_cpu() && residual.is_contiguous(cl));
 }
 
 at::Tensor winograd_conv3x3(const at::Tensor& x, const at::Tensor& U, const at::Tensor& bias, bool relu,
                             const at::Tensor& residual, bool into_residual) {
-  TORCH_CHECK(winograd_conv3x3_supported(x), "winograd_conv3x3: x must be float32 channels-last on the CPU");
-  TORCH_CHECK(U.dim() == 3 && U.size(0) == 16 && U.size(1) == x.size(1) && U.is_contiguous() &&
-                  U.scalar_type() == at::kFloat && U.device().is_cpu(),
-              "winograd_conv3x3: U [16, C, K]");
+  TORCH_CHECK(winograd_conv3x3_supported(x, U, residual),
+              "winograd_conv3x3: x, U and the residual must be float32 on the CPU, x and the residual channels-last, "
+              "U [16, C, K], the residual [N, K, H, W]");
   const int64_t N = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3), K = U.size(2);
   TORCH_CHECK(bias.numel() == K && bias.is_contiguous() && bias.scalar_type() == at::kFloat, "winograd_conv3x3: bias [K]");
   TORCH_CHECK(!into_residual || residual.defined(), "winograd_conv3x3: into_residual without a residual");
-  TORCH_CHECK(!residual.defined() || (residual.sizes() == at::IntArrayRef{N, K, H, W} &&
-                                      residual.scalar_type() == at::kFloat && residual.device().is_cpu() &&
-                                      residual.is_contiguous(at::MemoryFormat::ChannelsLast)),
-              "winograd_conv3x3: residual [N, K, H, W] float32 channels-last");
   // in place: each output element is written after the residual's value at its place is read
   auto y = into_residual ? residual : at::empty({N, K, H, W}, x.options().memory_format(at::MemoryFormat::ChannelsLast));
   if (y.numel() == 0) return y;

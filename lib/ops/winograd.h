@@ -11,8 +11,10 @@ namespace imgtrain::ops {
 // (computed in float64, rounded once).
 at::Tensor winograd_pack_3x3(const at::Tensor& weight);
 
-// Whether winograd_conv3x3 takes x: a float32 CPU [N, C, H, W] in channels-last memory.
-bool winograd_conv3x3_supported(const at::Tensor& x);
+// Whether winograd_conv3x3 takes x with the filters U and the residual (undefined for none): x a
+// float32 CPU [N, C, H, W] in channels-last memory, U [16, C, K] float32 contiguous, the residual
+// [N, K, H, W] float32 channels-last.
+bool winograd_conv3x3_supported(const at::Tensor& x, const at::Tensor& U, const at::Tensor& residual = {});
 
 // y = conv2d(x, weight, bias, stride 1, padding 1) + residual, with ReLU after it when `relu`, from
 // the packed filters U = winograd_pack_3x3(weight) and bias [K] (float32); residual undefined for

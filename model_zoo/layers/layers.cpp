@@ -385,13 +385,9 @@ at::Tensor conv_bn_act(torch::nn::Conv2dImpl& conv, imgtrain::BatchNorm2dImpl& b
     return apply_act(y, act, true);
   }
   // 3x3 stride-1 convolutions of channels-last float32 maps (and residuals): Winograd's F(2x2, 3x3),
-  // 1.3-1.8x oneDNN's direct convolution at ResNet's widths (docs/performance.md)
+  // 1.2-1.8x oneDNN's direct convolution at ResNet's widths (docs/performance.md)
   if (bn.winograd_weight.defined() && (act == Act::Identity || act == Act::ReLU) &&
-      ops::winograd_conv3x3_supported(input) &&
-      (!residual.defined() || (residual.scalar_type() == at::kFloat && residual.device().is_cpu() &&
-                               residual.is_contiguous(at::MemoryFormat::ChannelsLast) &&
-                               residual.sizes() == at::IntArrayRef{input.size(0), bn.winograd_weight.size(2),
-                                                                  input.size(2), input.size(3)}))) {
+      ops::winograd_conv3x3_supported(input, bn.winograd_weight, residual)) {
     const bool in_place = residual.defined() && sole_owner(residual);
     return ops::winograd_conv3x3(input, bn.winograd_weight, bn.folded_bias, act == Act::ReLU, residual, in_place);
   }

@@ -941,8 +941,8 @@ TEST_CASE("Winograd's F(2x2, 3x3) convolution equals a float64 convolution as cl
         const auto x = torch::randn({cs.n, cs.c, cs.h, cs.w}).contiguous(at::MemoryFormat::ChannelsLast);
         const auto w = torch::randn({cs.k, cs.c, 3, 3}) / std::sqrt(9.0 * double(cs.c));
         const auto b = torch::randn({cs.k}) * 0.1;
-        REQUIRE(ops::winograd_conv3x3_supported(x));
         const auto U = ops::winograd_pack_3x3(w);
+        REQUIRE(ops::winograd_conv3x3_supported(x, U));
         const auto r = torch::randn({cs.n, cs.k, cs.h, cs.w}).contiguous(at::MemoryFormat::ChannelsLast);
         for (bool with_residual : {false, true}) {
           INFO("residual " << with_residual);
@@ -978,10 +978,17 @@ TEST_CASE("Winograd's F(2x2, 3x3) convolution equals a float64 convolution as cl
     CHECK_THROWS(ops::winograd_conv3x3(x, U, torch::zeros({32}), true, r));
     CHECK_THROWS(ops::winograd_conv3x3(x, U, torch::zeros({32}), true, r, true));
   }
-  // inputs it does not take: NCHW memory with maps over 1x1, float64, other devices' tensors aside
-  CHECK_FALSE(ops::winograd_conv3x3_supported(torch::randn({1, 32, 4, 4})));
-  CHECK_FALSE(ops::winograd_conv3x3_supported(
-      torch::randn({1, 32, 4, 4}, torch::kDouble).contiguous(at::MemoryFormat::ChannelsLast)));
+  // inputs it does not take: NCHW memory with maps over 1x1, float64, filters for other channels, a
+  // residual of another shape or in NCHW memory (other devices' tensors aside)
+  const auto cl = at::MemoryFormat::ChannelsLast;
+  const auto U = ops::winograd_pack_3x3(torch::randn({48, 32, 3, 3}));
+  const auto x = torch::randn({1, 32, 4, 4}).contiguous(cl);
+  CHECK(ops::winograd_conv3x3_supported(x, U, torch::randn({1, 48, 4, 4}).contiguous(cl)));
+  CHECK_FALSE(ops::winograd_conv3x3_supported(torch::randn({1, 32, 4, 4}), U));
+  CHECK_FALSE(ops::winograd_conv3x3_supported(torch::randn({1, 32, 4, 4}, torch::kDouble).contiguous(cl), U));
+  CHECK_FALSE(ops::winograd_conv3x3_supported(torch::randn({1, 16, 4, 4}).contiguous(cl), U));
+  CHECK_FALSE(ops::winograd_conv3x3_supported(x, U, torch::randn({1, 32, 4, 4}).contiguous(cl)));
+  CHECK_FALSE(ops::winograd_conv3x3_supported(x, U, torch::randn({1, 48, 4, 4})));
 }
 
 // Whether this build and CPU run imgtrain's AVX-512 attention kernel (ops/attention.h).
