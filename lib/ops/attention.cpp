@@ -8,16 +8,19 @@
 #include <torch/autograd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
+#include <string>
 #include <vector>
 
-// The kernels are AVX-512 intrinsics in functions compiled for that target (the rest of the build
-// is baseline x86-64); attention_infer_supported asks the CPU before they run. Other compilers and
-// CPUs keep ATen's scaled_dot_product_attention.
+// The kernels (attention_kernels.inc) are written once over a small vector interface and compiled
+// for AVX-512 and for AVX2 + FMA, each copy in functions compiled for that target (the rest of the
+// build is baseline x86-64); the CPU is asked once which copy runs. Other compilers and CPUs keep
+// ATen's scaled_dot_product_attention.
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-#define IMGTRAIN_ATTENTION_AVX512 1
+#define IMGTRAIN_ATTENTION_SIMD 1
 #include <immintrin.h>
 #endif
 
@@ -25,215 +28,14 @@ namespace imgtrain::ops {
 namespace {
 
 constexpr int64_t kHead = 64;   // head size the kernels are written for
-constexpr int kRows = 6;        // query rows per register block: 6 x 4 accumulators of 16 floats
+constexpr int kRows = 6;        // query rows per register block (attention_kernels.inc)
 constexpr int64_t kVChunk = 64;  // value rows per pass of the second product (16 KB, in L1)
 // Longest sequence it takes: it holds a head's whole score matrix (4 MB at 1024 tokens), where ATen's
 // flash kernel blocks the keys; measured on 48 heads at two threads, this kernel against ATen's:
 // 197 tokens 2.25 / 2.96 ms, 577 tokens 18.3 / 21.2, 1025 tokens 63.4 / 63.8, 2048 tokens 256 / 237.
 constexpr int64_t kMaxTokens = 1024;
 
-#ifdef IMGTRAIN_ATTENTION_AVX512
-#pragma GCC push_options
-#pragma GCC target("avx512f,fma")
-#define IMGTRAIN_ATTN_UNROLL _Pragma("GCC unroll 8")
-#define IMGTRAIN_ATTN_AI inline __attribute__((always_inline))
-
-// exp(x) for x <= 0 (a score less its row's maximum) within ~1 ulp: Cephes' expf (kernel_util.h,
-// as norm_act.cpp's exp_approx) on 16 lanes, with AVX-512's own rounding (roundscale) and power of
-// two (scalef) and the reduction in FMAs: 14 instructions where the integer-exponent form took 21.
-// The clamp keeps a NaN (max returns its second operand for one), so a NaN score gives a NaN row
-// as ATen's kernel does.
-IMGTRAIN_ATTN_AI __m512 exp16(__m512 x) {
-  namespace ce = cephes_expf;
-  x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);
-  const __m512 fn = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(ce::log2e)),
-                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(fn, _mm512_set1_ps(ce::ln2_hi), x);
-  r = _mm512_fnmadd_ps(fn, _mm512_set1_ps(ce::ln2_lo), r);
-  const __m512 z = _mm512_mul_ps(r, r);
-  __m512 y = _mm512_set1_ps(ce::p0);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(ce::p1));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(ce::p2));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(ce::p3));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(ce::p4));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(ce::p5));
-  y = _mm512_add_ps(_mm512_fmadd_ps(y, z, r), _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(y, fn);
-}
-
-// Transposes the 16 x 16 floats in r[0..16) (r[i] = row i) in registers.
-IMGTRAIN_ATTN_AI void transpose16(__m512 r[16]) {
-  __m512 t[16];
-  IMGTRAIN_ATTN_UNROLL for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  auto lo = [](__m512 a, __m512 b) {
-    return _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
-  };
-  auto hi = [](__m512 a, __m512 b) {
-    return _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
-  };
-  // r[4g + k]: rows 4g..4g+3, element k of each 128-bit lane
-  IMGTRAIN_ATTN_UNROLL for (int g = 0; g < 4; ++g) {
-    r[4 * g + 0] = lo(t[4 * g + 0], t[4 * g + 2]);
-    r[4 * g + 1] = hi(t[4 * g + 0], t[4 * g + 2]);
-    r[4 * g + 2] = lo(t[4 * g + 1], t[4 * g + 3]);
-    r[4 * g + 3] = hi(t[4 * g + 1], t[4 * g + 3]);
-  }
-  // gather lane l of the four row groups into output row 4l + k
-  IMGTRAIN_ATTN_UNROLL for (int k = 0; k < 4; ++k) {
-    const __m512 a = _mm512_shuffle_f32x4(r[k], r[4 + k], 0x88);
-    const __m512 b = _mm512_shuffle_f32x4(r[k], r[4 + k], 0xdd);
-    const __m512 c = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0x88);
-    const __m512 d = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0xdd);
-    t[k] = _mm512_shuffle_f32x4(a, c, 0x88);
-    t[8 + k] = _mm512_shuffle_f32x4(a, c, 0xdd);
-    t[4 + k] = _mm512_shuffle_f32x4(b, d, 0x88);
-    t[12 + k] = _mm512_shuffle_f32x4(b, d, 0xdd);
-  }
-  IMGTRAIN_ATTN_UNROLL for (int i = 0; i < 16; ++i) r[i] = t[i];
-}
-
-// Scores of R query rows (q, row stride ldq) against a panel of 16*C keys stored transposed (kt:
-// kHead rows of 16*C floats): s[r][0..16C) (row stride lds); rmax[r] takes the maximum of the row's
-// first `valid` lanes of the last vector (all of them where Tail is false).
-template <int R, int C, bool Tail>
-IMGTRAIN_ATTN_AI void scores_block(const float* q, int64_t ldq, const float* kt, float* s, int64_t lds, float* rmax,
-                              __mmask16 valid) {
-  __m512 acc[R][C];
-  IMGTRAIN_ATTN_UNROLL for (int r = 0; r < R; ++r) IMGTRAIN_ATTN_UNROLL for (int c = 0; c < C; ++c)
-    acc[r][c] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < kHead; ++d) {
-    __m512 b[C];
-    IMGTRAIN_ATTN_UNROLL for (int c = 0; c < C; ++c) b[c] = _mm512_loadu_ps(kt + d * 16 * C + 16 * c);
-    IMGTRAIN_ATTN_UNROLL for (int r = 0; r < R; ++r) {
-      const __m512 a = _mm512_set1_ps(q[r * ldq + d]);
-      IMGTRAIN_ATTN_UNROLL for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(a, b[c], acc[r][c]);
-    }
-  }
-  IMGTRAIN_ATTN_UNROLL for (int r = 0; r < R; ++r) {
-    __m512 m = Tail ? _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), acc[r][C - 1]) : acc[r][0];
-    IMGTRAIN_ATTN_UNROLL for (int c = 0; c < C; ++c) {
-      _mm512_storeu_ps(s + r * lds + 16 * c, acc[r][c]);
-      if (!Tail) m = _mm512_max_ps(m, acc[r][c]);
-    }
-    rmax[r] = std::max(rmax[r], _mm512_reduce_max_ps(m));
-  }
-}
-
-// o[r][0..64) (row stride ldo) += sum over j < nj of p(r, j) v[j][0..64) for R rows, p(r, j) =
-// p[r * ldp + j], or p[j * ldp + r] where Trans (the rows of a transposed matrix: P^T dO, dS^T Q),
-// v rows of 64 with stride ldv: from zero where First, each row times mul[r] where Last.
-template <int R, bool Trans, bool First, bool Last>
-IMGTRAIN_ATTN_AI void values_block(const float* p, int64_t ldp, const float* v, int64_t ldv, int64_t nj, float* o,
-                                   int64_t ldo, const float* mul) {
-  __m512 acc[R][4];
-  IMGTRAIN_ATTN_UNROLL for (int r = 0; r < R; ++r) IMGTRAIN_ATTN_UNROLL for (int c = 0; c < 4; ++c)
-    acc[r][c] = First ? _mm512_setzero_ps() : _mm512_loadu_ps(o + r * ldo + 16 * c);
-  for (int64_t j = 0; j < nj; ++j) {
-    __m512 b[4];
-    IMGTRAIN_ATTN_UNROLL for (int c = 0; c < 4; ++c) b[c] = _mm512_loadu_ps(v + j * ldv + 16 * c);
-    IMGTRAIN_ATTN_UNROLL for (int r = 0; r < R; ++r) {
-      const __m512 a = _mm512_set1_ps(Trans ? p[j * ldp + r] : p[r * ldp + j]);
-      IMGTRAIN_ATTN_UNROLL for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_fmadd_ps(a, b[c], acc[r][c]);
-    }
-  }
-  IMGTRAIN_ATTN_UNROLL for (int r = 0; r < R; ++r) {
-    const __m512 sc = _mm512_set1_ps(Last ? mul[r] : 1.0f);
-    IMGTRAIN_ATTN_UNROLL for (int c = 0; c < 4; ++c)
-      _mm512_storeu_ps(o + r * ldo + 16 * c, Last ? _mm512_mul_ps(acc[r][c], sc) : acc[r][c]);
-  }
-}
-
-// f(rows as an integral constant, first row) over n rows in blocks of kRows and the remainder
-template <typename F>
-IMGTRAIN_ATTN_AI void row_blocks(int64_t n, F&& f) {
-  int64_t i = 0;
-  for (; i + kRows <= n; i += kRows) f(std::integral_constant<int, kRows>{}, i);
-  switch (n - i) {
-    case 1: f(std::integral_constant<int, 1>{}, i); break;
-    case 2: f(std::integral_constant<int, 2>{}, i); break;
-    case 3: f(std::integral_constant<int, 3>{}, i); break;
-    case 4: f(std::integral_constant<int, 4>{}, i); break;
-    case 5: f(std::integral_constant<int, 5>{}, i); break;
-    default: break;
-  }
-}
-
 int64_t padded(int64_t n) { return (n + 15) / 16 * 16; }
-// The valid lanes of the last vector of a row of n values (all 16 when n is a multiple of 16).
-__mmask16 tail_mask(int64_t n) { return n % 16 ? __mmask16((1u << (n % 16)) - 1) : __mmask16(0xffff); }
-
-// dst[j] = src[j * ld ...] for n rows of 64: strided rows made contiguous for the value products.
-void copy_rows(const float* src, int64_t ld, int64_t n, float* dst) {
-  for (int64_t j = 0; j < n; ++j)
-    IMGTRAIN_ATTN_UNROLL for (int64_t d = 0; d < kHead; d += 16)
-      _mm512_storeu_ps(dst + j * kHead + d, _mm512_loadu_ps(src + j * ld + d));
-}
-
-// Rows src[0..n) of 64 (stride ld) times `scale`, transposed into panels of 64 columns (the last
-// ones 16) of kHead rows each: dst[p0 * kHead + d * w + (j - p0)] = scale * src[j][d] for j in the
-// panel [p0, p0 + w), zero for n <= j < padded(n). A panel of 64 is 16 KB, which stays in L1 while
-// every row of the other operand meets it.
-void transpose_panels(const float* src, int64_t ld, int64_t n, float scale, float* dst) {
-  const int64_t np = padded(n);
-  const __m512 vscale = _mm512_set1_ps(scale);
-  for (int64_t j0 = 0; j0 < np; j0 += 16) {
-    const bool wide = j0 / 64 * 64 + 64 <= np;  // inside a panel of 64 keys, else one of 16
-    const int64_t p0 = wide ? j0 / 64 * 64 : j0, w = wide ? 64 : 16;
-    float* out = dst + p0 * kHead + (j0 - p0);
-    const int64_t rows = std::min<int64_t>(16, n - j0);
-    IMGTRAIN_ATTN_UNROLL for (int64_t dc = 0; dc < kHead; dc += 16) {
-      __m512 r[16];
-      IMGTRAIN_ATTN_UNROLL for (int i = 0; i < 16; ++i)
-        r[i] = i < rows ? _mm512_mul_ps(_mm512_loadu_ps(src + (j0 + i) * ld + dc), vscale) : _mm512_setzero_ps();
-      transpose16(r);
-      IMGTRAIN_ATTN_UNROLL for (int i = 0; i < 16; ++i) _mm512_storeu_ps(out + (dc + i) * w, r[i]);
-    }
-  }
-}
-
-// s[i][0..np) = a[i] . bt panels (a: n rows of 64, stride lda; bt from transpose_panels) for i < n;
-// rmax[i] = the row's largest of its first n values.
-void scores(const float* a, int64_t lda, const float* bt, int64_t n, float* s, float* rmax) {
-  const int64_t np = padded(n);
-  std::fill(rmax, rmax + n, -INFINITY);
-  int64_t j0 = 0;
-  for (; j0 + 64 <= np; j0 += 64)
-    row_blocks(n, [&](auto R, int64_t i) {
-      scores_block<R(), 4, false>(a + i * lda, lda, bt + j0 * kHead, s + i * np + j0, np, rmax + i, 0);
-    });
-  const __mmask16 tail = tail_mask(n);
-  for (; j0 < np; j0 += 16) {
-    const __mmask16 valid = j0 + 16 >= np ? tail : __mmask16(0xffff);
-    row_blocks(n, [&](auto R, int64_t i) {
-      scores_block<R(), 1, true>(a + i * lda, lda, bt + j0 * kHead, s + i * np + j0, np, rmax + i, valid);
-    });
-  }
-}
-
-// out[r] (rows of 64, stride ldo) = mul[r] * sum over j < n of p(r, j) v[j] for r < n (values_block;
-// p row stride ldp), the sum over j in chunks of kVChunk rows of v (16 KB, in L1).
-template <bool Trans>
-void products(const float* p, int64_t ldp, const float* v, int64_t ldv, int64_t n, float* out, int64_t ldo,
-              const float* mul) {
-  for (int64_t jc = 0; jc < n; jc += kVChunk) {
-    const int64_t nj = std::min(kVChunk, n - jc);
-    const float* pc = p + (Trans ? jc * ldp : jc);
-    const float* vc = v + jc * ldv;
-    const bool first = jc == 0, last = jc + kVChunk >= n;
-    row_blocks(n, [&](auto R, int64_t i) {
-      constexpr int Rn = R();
-      float* o = out + i * ldo;
-      const float* pi = pc + (Trans ? i : i * ldp);
-      if (first && last) values_block<Rn, Trans, true, true>(pi, ldp, vc, ldv, nj, o, ldo, mul + i);
-      else if (first) values_block<Rn, Trans, true, false>(pi, ldp, vc, ldv, nj, o, ldo, mul + i);
-      else if (last) values_block<Rn, Trans, false, true>(pi, ldp, vc, ldv, nj, o, ldo, mul + i);
-      else values_block<Rn, Trans, false, false>(pi, ldp, vc, ldv, nj, o, ldo, mul + i);
-    });
-  }
-}
 
 // Scratch floats for one head of n tokens (forward and backward). A thread holds them in an
 // AlignedVector (64-byte boundary): every buffer in it starts at a multiple of 16 floats and its
@@ -243,125 +45,268 @@ int64_t scratch_size(int64_t n) {
   return 2 * kHead * np + 2 * n * np + n * kHead + 3 * n;
 }
 
-// The scores s [n, padded(n)] in place to exp(s - rmax) with the tail lanes zero; inv[r] = 1 / the
-// row's sum, lse[r] (if not null) its log-sum-exp.
-void softmax_rows(float* s, int64_t n, const float* rmax, float* inv, float* lse) {
-  const int64_t np = padded(n);
-  const int64_t nfull = n - n % 16;
-  const __mmask16 tail = tail_mask(n);
-  for (int64_t r = 0; r < n; ++r) {
-    float* row = s + r * np;
-    const __m512 m = _mm512_set1_ps(rmax[r]);
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < nfull; j += 16) {
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + j), m));
-      _mm512_storeu_ps(row + j, e);
-      sum = _mm512_add_ps(sum, e);
-    }
-    if (n % 16) {
-      const __m512 e = _mm512_maskz_mov_ps(tail, exp16(_mm512_sub_ps(_mm512_loadu_ps(row + nfull), m)));
-      _mm512_storeu_ps(row + nfull, e);
-      sum = _mm512_add_ps(sum, e);
-    }
-    const float total = _mm512_reduce_add_ps(sum);
-    inv[r] = 1.0f / total;
-    if (lse) lse[r] = rmax[r] + std::log(total);
+// One image and head forward (attend_head) and backward (attend_head_backward), from one copy of
+// attention_kernels.inc.
+struct Kernels {
+  const char* name;
+  void (*forward)(const float* q, const float* k, const float* v, int64_t ld, int64_t n, float scale, float* out,
+                  int64_t ldo, float* lse, float* ws);
+  void (*backward)(const float* q, const float* k, const float* v, int64_t ld, const float* o, const float* go,
+                   int64_t ldo, const float* lse, int64_t n, float scale, float* dq, float* dk, float* dv,
+                   float* ws);
+};
+
+#ifdef IMGTRAIN_ATTENTION_SIMD
+#define IMGTRAIN_ATTN_UNROLL _Pragma("GCC unroll 8")
+#define IMGTRAIN_ATTN_AI inline __attribute__((always_inline))
+
+namespace avx512 {
+#pragma GCC push_options
+#pragma GCC target("avx512f,fma")
+struct V {
+  using vec = __m512;
+  static constexpr int W = 16;
+  static constexpr int kKeyVecs = 4;  // 6 x 4 accumulators, 4 key vectors, 1 broadcast: 29 of 32 registers
+  static constexpr int kColVecs = 4;
+  static IMGTRAIN_ATTN_AI vec zero() { return _mm512_setzero_ps(); }
+  static IMGTRAIN_ATTN_AI vec set1(float x) { return _mm512_set1_ps(x); }
+  static IMGTRAIN_ATTN_AI vec load(const float* p) { return _mm512_loadu_ps(p); }
+  static IMGTRAIN_ATTN_AI void store(float* p, vec v) { _mm512_storeu_ps(p, v); }
+  static IMGTRAIN_ATTN_AI vec fmadd(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+  static IMGTRAIN_ATTN_AI vec mul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+  static IMGTRAIN_ATTN_AI vec sub(vec a, vec b) { return _mm512_sub_ps(a, b); }
+  static IMGTRAIN_ATTN_AI vec add(vec a, vec b) { return _mm512_add_ps(a, b); }
+  static IMGTRAIN_ATTN_AI vec max(vec a, vec b) { return _mm512_max_ps(a, b); }
+  static IMGTRAIN_ATTN_AI float reduce_max(vec v) { return _mm512_reduce_max_ps(v); }
+  static IMGTRAIN_ATTN_AI float reduce_add(vec v) { return _mm512_reduce_add_ps(v); }
+  static IMGTRAIN_ATTN_AI vec first(vec v, int k, vec fill) {
+    const __mmask16 keep = k >= W ? __mmask16(0xffff) : k <= 0 ? __mmask16(0) : __mmask16((1u << k) - 1);
+    return _mm512_mask_blend_ps(keep, fill, v);
   }
-}
-
-// One image and head: q, k, v rows of 64 with row stride ld, n tokens; out rows of 64 with stride
-// ldo; lse (if not null) the row's log-sum-exp of the scaled scores, for the backward. The keys
-// scaled and transposed into panels; the scores [n, np] (np: n to a multiple of 16) with their row
-// maxima taken as they are stored; exp in place and the row sums; then the values (copied to rows
-// of 64) against every row of probabilities, the division by the row sum at the end.
-void attend_head(const float* q, const float* k, const float* v, int64_t ld, int64_t n, float scale, float* out,
-                 int64_t ldo, float* lse, float* ws) {
-  const int64_t np = padded(n);
-  float *kt = ws, *s = kt + kHead * np, *vb = s + n * np, *rmax = vb + n * kHead, *inv = rmax + n;
-  transpose_panels(k, ld, n, scale, kt);
-  copy_rows(v, ld, n, vb);
-  scores(q, ld, kt, n, s, rmax);
-  softmax_rows(s, n, rmax, inv, lse);
-  products<false>(s, np, vb, kHead, n, out, ldo, inv);
-}
-
-// Backward's elementwise pass: the scores in p [n, padded(n)] to the probabilities
-// P = exp(p - lse) in place, dP in ds to dS = P (dP - rowsum(dO * O)) in place, the tail lanes zero.
-void probability_grads(float* p, float* ds, int64_t n, const float* o, const float* go, int64_t ldo,
-                       const float* lse) {
-  const int64_t np = padded(n);
-  const int64_t nfull = n - n % 16;
-  const __mmask16 tail = tail_mask(n);
-  for (int64_t r = 0; r < n; ++r) {
-    __m512 dot = _mm512_setzero_ps();
-    IMGTRAIN_ATTN_UNROLL for (int64_t d = 0; d < kHead; d += 16)
-      dot = _mm512_fmadd_ps(_mm512_loadu_ps(go + r * ldo + d), _mm512_loadu_ps(o + r * ldo + d), dot);
-    const __m512 dl = _mm512_set1_ps(_mm512_reduce_add_ps(dot)), l = _mm512_set1_ps(lse[r]);
-    float *pr = p + r * np, *dr = ds + r * np;
-    auto step = [&](int64_t j, __mmask16 keep) {
-      const __m512 e = _mm512_maskz_mov_ps(keep, exp16(_mm512_sub_ps(_mm512_loadu_ps(pr + j), l)));
-      _mm512_storeu_ps(pr + j, e);
-      _mm512_storeu_ps(dr + j, _mm512_mul_ps(e, _mm512_sub_ps(_mm512_loadu_ps(dr + j), dl)));
-    };
-    for (int64_t j = 0; j < nfull; j += 16) step(j, __mmask16(0xffff));
-    if (n % 16) step(nfull, tail);
+  // exp(x) for x <= 0 (a score less its row's maximum) within ~1 ulp: Cephes' expf (kernel_util.h,
+  // as norm_act.cpp's exp_approx), with AVX-512's own rounding (roundscale) and power of two
+  // (scalef) and the reduction in FMAs: 14 instructions where the integer-exponent form took 21.
+  // The clamp keeps a NaN (max returns its second operand for one), so a NaN score gives a NaN row
+  // as ATen's kernel does.
+  static IMGTRAIN_ATTN_AI vec exp(vec x) {
+    namespace ce = cephes_expf;
+    x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);
+    const __m512 fn = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(ce::log2e)),
+                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(fn, _mm512_set1_ps(ce::ln2_hi), x);
+    r = _mm512_fnmadd_ps(fn, _mm512_set1_ps(ce::ln2_lo), r);
+    const __m512 z = _mm512_mul_ps(r, r);
+    __m512 y = _mm512_set1_ps(ce::p0);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(ce::p1));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(ce::p2));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(ce::p3));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(ce::p4));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(ce::p5));
+    y = _mm512_add_ps(_mm512_fmadd_ps(y, z, r), _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(y, fn);
   }
-}
+  static IMGTRAIN_ATTN_AI vec lo(vec a, vec b) {
+    return _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
+  }
+  static IMGTRAIN_ATTN_AI vec hi(vec a, vec b) {
+    return _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
+  }
+  // The 16 x 16 floats in r[0..16) (r[i] = row i) transposed in registers.
+  static IMGTRAIN_ATTN_AI void transpose(vec r[16]) {
+    __m512 t[16];
+    IMGTRAIN_ATTN_UNROLL for (int i = 0; i < 8; ++i) {
+      t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+      t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    // r[4g + k]: rows 4g..4g+3, element k of each 128-bit lane
+    IMGTRAIN_ATTN_UNROLL for (int g = 0; g < 4; ++g) {
+      r[4 * g + 0] = lo(t[4 * g + 0], t[4 * g + 2]);
+      r[4 * g + 1] = hi(t[4 * g + 0], t[4 * g + 2]);
+      r[4 * g + 2] = lo(t[4 * g + 1], t[4 * g + 3]);
+      r[4 * g + 3] = hi(t[4 * g + 1], t[4 * g + 3]);
+    }
+    // gather lane l of the four row groups into output row 4l + k
+    IMGTRAIN_ATTN_UNROLL for (int k = 0; k < 4; ++k) {
+      const __m512 a = _mm512_shuffle_f32x4(r[k], r[4 + k], 0x88);
+      const __m512 b = _mm512_shuffle_f32x4(r[k], r[4 + k], 0xdd);
+      const __m512 c = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0x88);
+      const __m512 d = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0xdd);
+      t[k] = _mm512_shuffle_f32x4(a, c, 0x88);
+      t[8 + k] = _mm512_shuffle_f32x4(a, c, 0xdd);
+      t[4 + k] = _mm512_shuffle_f32x4(b, d, 0x88);
+      t[12 + k] = _mm512_shuffle_f32x4(b, d, 0xdd);
+    }
+    IMGTRAIN_ATTN_UNROLL for (int i = 0; i < 16; ++i) r[i] = t[i];
+  }
+};
+#include "ops/attention_kernels.inc"
+#pragma GCC pop_options
+}  // namespace avx512
 
-// The gradients of one head (flash attention's backward, the probabilities recomputed from lse):
-// P = exp(scale q k^T - lse), dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(dO * O)),
-// dQ = scale dS K, dK = scale dS^T Q. q, k, v and dq, dk, dv rows of 64 with stride ld; o and go
-// (the output and its gradient) with stride ldo.
-void attend_head_backward(const float* q, const float* k, const float* v, int64_t ld, const float* o,
-                          const float* go, int64_t ldo, const float* lse, int64_t n, float scale, float* dq,
-                          float* dk, float* dv, float* ws) {
-  const int64_t np = padded(n);
-  float *kt = ws, *vt = kt + kHead * np, *p = vt + kHead * np, *ds = p + n * np, *kb = ds + n * np;
-  float *rmax = kb + n * kHead, *ones = rmax + n, *scales = ones + n;  // rmax: scores() fills it, unused
-  transpose_panels(k, ld, n, scale, kt);
-  transpose_panels(v, ld, n, 1.0f, vt);
-  copy_rows(k, ld, n, kb);
-  scores(q, ld, kt, n, p, rmax);   // scale q k^T
-  scores(go, ldo, vt, n, ds, rmax);  // dO V^T
-  probability_grads(p, ds, n, o, go, ldo, lse);
-  std::fill(ones, ones + n, 1.0f);
-  std::fill(scales, scales + n, scale);
-  products<true>(p, np, go, ldo, n, dv, ld, ones);        // dV = P^T dO
-  products<false>(ds, np, kb, kHead, n, dq, ld, scales);  // dQ = scale dS K
-  products<true>(ds, np, q, ld, n, dk, ld, scales);       // dK = scale dS^T Q
-}
+namespace avx2 {
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+// AVX2's 16 registers of 8 floats: 6 x 2 accumulators, 2 key (or value) vectors, 1 broadcast.
+struct V {
+  using vec = __m256;
+  static constexpr int W = 8;
+  static constexpr int kKeyVecs = 2;
+  static constexpr int kColVecs = 2;
+  static IMGTRAIN_ATTN_AI vec zero() { return _mm256_setzero_ps(); }
+  static IMGTRAIN_ATTN_AI vec set1(float x) { return _mm256_set1_ps(x); }
+  static IMGTRAIN_ATTN_AI vec load(const float* p) { return _mm256_loadu_ps(p); }
+  static IMGTRAIN_ATTN_AI void store(float* p, vec v) { _mm256_storeu_ps(p, v); }
+  static IMGTRAIN_ATTN_AI vec fmadd(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+  static IMGTRAIN_ATTN_AI vec mul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+  static IMGTRAIN_ATTN_AI vec sub(vec a, vec b) { return _mm256_sub_ps(a, b); }
+  static IMGTRAIN_ATTN_AI vec add(vec a, vec b) { return _mm256_add_ps(a, b); }
+  static IMGTRAIN_ATTN_AI vec max(vec a, vec b) { return _mm256_max_ps(a, b); }
+  static IMGTRAIN_ATTN_AI float reduce_max(vec v) {
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+  }
+  static IMGTRAIN_ATTN_AI float reduce_add(vec v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+  }
+  static IMGTRAIN_ATTN_AI vec first(vec v, int k, vec fill) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(k), lane));
+    return _mm256_blendv_ps(fill, v, keep);
+  }
+  // Cephes' expf as AVX-512's above, the power of two 2^fn built in the exponent field (fn >= -126
+  // after the clamp, so a normal number): y * 2^fn is exact either way, so both give the same bits.
+  static IMGTRAIN_ATTN_AI vec exp(vec x) {
+    namespace ce = cephes_expf;
+    x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);
+    const __m256 fn = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(ce::log2e)),
+                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(fn, _mm256_set1_ps(ce::ln2_hi), x);
+    r = _mm256_fnmadd_ps(fn, _mm256_set1_ps(ce::ln2_lo), r);
+    const __m256 z = _mm256_mul_ps(r, r);
+    __m256 y = _mm256_set1_ps(ce::p0);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(ce::p1));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(ce::p2));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(ce::p3));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(ce::p4));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(ce::p5));
+    y = _mm256_add_ps(_mm256_fmadd_ps(y, z, r), _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fn), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+  }
+  // The 8 x 8 floats in r[0..8) transposed in registers.
+  static IMGTRAIN_ATTN_AI void transpose(vec r[8]) {
+    __m256 t[8], u[8];
+    IMGTRAIN_ATTN_UNROLL for (int i = 0; i < 4; ++i) {
+      t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);      // a0 b0 a1 b1 | a4 b4 a5 b5
+      t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);  // a2 b2 a3 b3 | a6 b6 a7 b7
+    }
+    IMGTRAIN_ATTN_UNROLL for (int g = 0; g < 2; ++g) {  // rows 4g..4g+3, columns k and k + 4
+      u[4 * g + 0] = _mm256_shuffle_ps(t[4 * g + 0], t[4 * g + 2], 0x44);
+      u[4 * g + 1] = _mm256_shuffle_ps(t[4 * g + 0], t[4 * g + 2], 0xee);
+      u[4 * g + 2] = _mm256_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0x44);
+      u[4 * g + 3] = _mm256_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0xee);
+    }
+    IMGTRAIN_ATTN_UNROLL for (int k = 0; k < 4; ++k) {
+      r[k] = _mm256_permute2f128_ps(u[k], u[4 + k], 0x20);
+      r[4 + k] = _mm256_permute2f128_ps(u[k], u[4 + k], 0x31);
+    }
+  }
+};
+#include "ops/attention_kernels.inc"
+#pragma GCC pop_options
+}  // namespace avx2
+
+namespace avx2_w16 {
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+// For the tests only: vectors of 16 floats as pairs of AVX2 registers, with AVX-512's blocking
+// (6 x 4 blocks, panels of 64 keys in one block, 64 output columns a block), so a CPU without
+// AVX-512 runs the shared kernels' code paths as the AVX-512 copy does. Slow (the blocks spill).
+struct V {
+  struct vec {
+    __m256 lo, hi;
+  };
+  using H = avx2::V;
+  static constexpr int W = 16;
+  static constexpr int kKeyVecs = 4;
+  static constexpr int kColVecs = 4;
+  static IMGTRAIN_ATTN_AI vec zero() { return {H::zero(), H::zero()}; }
+  static IMGTRAIN_ATTN_AI vec set1(float x) { return {H::set1(x), H::set1(x)}; }
+  static IMGTRAIN_ATTN_AI vec load(const float* p) { return {H::load(p), H::load(p + 8)}; }
+  static IMGTRAIN_ATTN_AI void store(float* p, vec v) {
+    H::store(p, v.lo);
+    H::store(p + 8, v.hi);
+  }
+  static IMGTRAIN_ATTN_AI vec fmadd(vec a, vec b, vec c) { return {H::fmadd(a.lo, b.lo, c.lo), H::fmadd(a.hi, b.hi, c.hi)}; }
+  static IMGTRAIN_ATTN_AI vec mul(vec a, vec b) { return {H::mul(a.lo, b.lo), H::mul(a.hi, b.hi)}; }
+  static IMGTRAIN_ATTN_AI vec sub(vec a, vec b) { return {H::sub(a.lo, b.lo), H::sub(a.hi, b.hi)}; }
+  static IMGTRAIN_ATTN_AI vec add(vec a, vec b) { return {H::add(a.lo, b.lo), H::add(a.hi, b.hi)}; }
+  static IMGTRAIN_ATTN_AI vec max(vec a, vec b) { return {H::max(a.lo, b.lo), H::max(a.hi, b.hi)}; }
+  static IMGTRAIN_ATTN_AI float reduce_max(vec v) { return H::reduce_max(H::max(v.lo, v.hi)); }
+  static IMGTRAIN_ATTN_AI float reduce_add(vec v) { return H::reduce_add(H::add(v.lo, v.hi)); }
+  static IMGTRAIN_ATTN_AI vec first(vec v, int k, vec fill) { return {H::first(v.lo, k, fill.lo), H::first(v.hi, k - 8, fill.hi)}; }
+  static IMGTRAIN_ATTN_AI vec exp(vec x) { return {H::exp(x.lo), H::exp(x.hi)}; }
+  static IMGTRAIN_ATTN_AI void transpose(vec r[16]) {
+    alignas(64) float m[16][16];
+    for (int i = 0; i < 16; ++i) store(m[i], r[i]);
+    for (int i = 0; i < 16; ++i)
+      for (int j = i + 1; j < 16; ++j) std::swap(m[i][j], m[j][i]);
+    for (int i = 0; i < 16; ++i) r[i] = load(m[i]);
+  }
+};
+#include "ops/attention_kernels.inc"
+#pragma GCC pop_options
+}  // namespace avx2_w16
+
 #undef IMGTRAIN_ATTN_AI
 #undef IMGTRAIN_ATTN_UNROLL
-#pragma GCC pop_options
 
-bool cpu_has_avx512() {
-  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
-  return ok;
+// The copies this CPU runs, fastest first.
+const std::vector<Kernels>& runnable_kernels() {
+  static const std::vector<Kernels> all = [] {
+    std::vector<Kernels> k;
+    const bool fma = __builtin_cpu_supports("fma");
+    if (fma && __builtin_cpu_supports("avx512f"))
+      k.push_back({"avx512", avx512::attend_head, avx512::attend_head_backward});
+    if (fma && __builtin_cpu_supports("avx2")) {
+      k.push_back({"avx2", avx2::attend_head, avx2::attend_head_backward});
+      k.push_back({"avx2-w16", avx2_w16::attend_head, avx2_w16::attend_head_backward});
+    }
+    return k;
+  }();
+  return all;
+}
+#else
+const std::vector<Kernels>& runnable_kernels() {
+  static const std::vector<Kernels> none;
+  return none;
 }
 #endif
 
-}  // namespace
+// The copy in use: the CPU's fastest, or the one a test chose (use_attention_kernels).
+std::atomic<const Kernels*> chosen{nullptr};
+const Kernels* kernels() {
+  const Kernels* k = chosen.load(std::memory_order_relaxed);
+  if (k) return k;
+  const auto& all = runnable_kernels();
+  return all.empty() ? nullptr : &all.front();
+}
 
-namespace {
 // The shape, type and CPU conditions both entry points share.
 bool attention_applies(const at::Tensor& qkv, int64_t heads) {
-#ifdef IMGTRAIN_ATTENTION_AVX512
-  if (!cpu_has_avx512()) return false;
-  return qkv.defined() && qkv.device().is_cpu() && qkv.scalar_type() == at::kFloat && qkv.dim() == 3 &&
+  return kernels() && qkv.defined() && qkv.device().is_cpu() && qkv.scalar_type() == at::kFloat && qkv.dim() == 3 &&
          qkv.is_contiguous() && heads > 0 && qkv.size(2) == 3 * heads * kHead && qkv.size(1) > 0 &&
          qkv.size(1) <= kMaxTokens;
-#else
-  (void)qkv;
-  (void)heads;
-  return false;
-#endif
 }
 
 // The forward over every image and head; lse [B, heads, N] when defined.
 at::Tensor run_forward(const at::Tensor& qkv, int64_t heads, const at::Tensor& lse) {
   const int64_t b = qkv.size(0), n = qkv.size(1), c = heads * kHead, ld = 3 * c;
   auto out = at::empty({b, n, c}, qkv.options());
-#ifdef IMGTRAIN_ATTENTION_AVX512
+  const auto attend_head = kernels()->forward;
   const float* src = qkv.const_data_ptr<float>();
   float* dst = out.mutable_data_ptr<float>();
   float* l = lse.defined() ? lse.mutable_data_ptr<float>() : nullptr;
@@ -375,7 +320,6 @@ at::Tensor run_forward(const at::Tensor& qkv, int64_t heads, const at::Tensor& l
                   l ? l + t * n : nullptr, ws.data());
     }
   });
-#endif
   return out;
 }
 
@@ -398,7 +342,7 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     const int64_t heads = ctx->saved_data["heads"].toInt();
     const auto go = grads[0].contiguous();
     auto dqkv = at::empty_like(qkv);
-#ifdef IMGTRAIN_ATTENTION_AVX512
+    const auto attend_head_backward = kernels()->backward;
     const int64_t b = qkv.size(0), n = qkv.size(1), c = heads * kHead, ld = 3 * c;
     const float *src = qkv.const_data_ptr<float>(), *o = out.const_data_ptr<float>();
     const float *g = go.const_data_ptr<float>(), *l = lse.const_data_ptr<float>();
@@ -415,7 +359,6 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
                              d + c, d + 2 * c, ws.data());
       }
     });
-#endif
     return {dqkv, at::Tensor()};
   }
 };
@@ -437,6 +380,27 @@ bool attention_train_supported(const at::Tensor& qkv, int64_t heads) { return at
 at::Tensor attention_train(const at::Tensor& qkv, int64_t heads) {
   TORCH_CHECK(attention_train_supported(qkv, heads), "attention_train: unsupported input");
   return AttentionFunction::apply(qkv, heads);
+}
+
+std::vector<std::string> attention_kernel_variants() {
+  std::vector<std::string> names;
+  for (const auto& k : runnable_kernels()) names.emplace_back(k.name);
+  return names;
+}
+
+std::string attention_kernel_variant() { return kernels() ? kernels()->name : ""; }
+
+void use_attention_kernels(const std::string& variant) {
+  if (variant.empty()) {
+    chosen.store(nullptr);
+    return;
+  }
+  for (const auto& k : runnable_kernels())
+    if (variant == k.name) {
+      chosen.store(&k);
+      return;
+    }
+  TORCH_CHECK(false, "use_attention_kernels: no variant '", variant, "' on this CPU");
 }
 
 }  // namespace imgtrain::ops

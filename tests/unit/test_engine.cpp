@@ -994,10 +994,34 @@ TEST_CASE("Winograd's F(2x2, 3x3) convolution equals a float64 convolution as cl
 // Whether this build and CPU run imgtrain's AVX-512 attention kernel (ops/attention.h).
 bool attention_kernel_expected() {
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
+  return __builtin_cpu_supports("fma") && (__builtin_cpu_supports("avx512f") || __builtin_cpu_supports("avx2"));
 #else
   return false;
 #endif
+}
+
+// Runs each copy of the attention kernels this CPU has (AVX-512, AVX2, and AVX-512's blocking on
+// AVX2 registers) in turn, the default restored after.
+struct EachAttentionVariant {
+  std::vector<std::string> variants = ops::attention_kernel_variants();
+  ~EachAttentionVariant() { ops::use_attention_kernels(""); }
+};
+
+TEST_CASE("the attention kernels' copies: the CPU's fastest by default, each selectable", "[ops]") {
+  const auto variants = ops::attention_kernel_variants();
+  CHECK(variants.empty() == !attention_kernel_expected());
+  if (variants.empty()) return;
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+  CHECK(variants.front() == (__builtin_cpu_supports("avx512f") ? "avx512" : "avx2"));
+#endif
+  CHECK(ops::attention_kernel_variant() == variants.front());
+  for (const auto& v : variants) {
+    ops::use_attention_kernels(v);
+    CHECK(ops::attention_kernel_variant() == v);
+  }
+  ops::use_attention_kernels("");
+  CHECK(ops::attention_kernel_variant() == variants.front());
+  CHECK_THROWS_WITH(ops::use_attention_kernels("sse9"), Catch::Contains("no variant 'sse9'"));
 }
 
 TEST_CASE("the kernels' aligned scratch starts on 64-byte boundaries", "[ops]") {
@@ -1021,9 +1045,14 @@ TEST_CASE("the inference attention kernel equals scaled_dot_product_attention ov
     const auto p = qkv.reshape({b, n, 3, heads, c / heads}).permute({2, 0, 3, 1, 4}).unbind(0);
     return at::scaled_dot_product_attention(p[0], p[1], p[2]).transpose(1, 2).reshape({b, n, c});
   };
+  EachAttentionVariant each;
+  for (const auto& variant : each.variants) {
+  INFO("kernels " << variant);
+  ops::use_attention_kernels(variant);
   torch::manual_seed(3);
-  // token counts around the kernel's blocks: rows of 6, key panels of 64 and 16, value chunks of 64
-  for (int64_t n : {1, 5, 6, 16, 17, 50, 64, 65, 80, 197})
+  // token counts around the kernel's blocks: rows of 6, key panels of 64 and 16 (AVX2: blocks of 16
+  // keys, vectors of 8), value chunks of 64
+  for (int64_t n : {1, 5, 6, 8, 9, 16, 17, 24, 25, 50, 64, 65, 80, 197})
     for (int64_t heads : {1, 3})
       for (double sigma : {1.0, 4.0}) {  // 4: peaked rows, most probabilities far below the largest
         INFO("tokens " << n << " heads " << heads << " sigma " << sigma);
@@ -1049,6 +1078,7 @@ TEST_CASE("the inference attention kernel equals scaled_dot_product_attention ov
   const auto nan_got = ops::attention_infer(bad, 2).isnan(), nan_want = sdpa(bad, 2).isnan();
   CHECK(torch::equal(nan_got, nan_want));
   CHECK(nan_got.sum().item<int64_t>() == 64);
+  }
   // what it does not take: the caller keeps ATen's kernel
   CHECK_FALSE(ops::attention_infer_supported(valid.to(at::kDouble), 1));
   CHECK_FALSE(ops::attention_infer_supported(torch::randn({2, 3 * 64, 5}).transpose(1, 2), 1));  // strided
@@ -1067,6 +1097,10 @@ TEST_CASE("the training attention kernel's output and qkv gradient equal scaled_
   const auto probe = torch::randn({1, 5, 3 * 64}).requires_grad_();
   REQUIRE(ops::attention_train_supported(probe, 1) == attention_kernel_expected());
   if (!attention_kernel_expected()) return;
+  EachAttentionVariant each;
+  for (const auto& variant : each.variants) {
+  INFO("kernels " << variant);
+  ops::use_attention_kernels(variant);
   torch::manual_seed(5);
   auto grads = [](const at::Tensor& qkv0, int64_t heads, bool ours, const at::Tensor& go) {
     auto qkv = qkv0.clone().requires_grad_();
@@ -1081,7 +1115,7 @@ TEST_CASE("the training attention kernel's output and qkv gradient equal scaled_
     o.backward(go);
     return std::make_pair(o.detach(), qkv.grad());
   };
-  for (int64_t n : {1, 5, 17, 64, 65, 197})
+  for (int64_t n : {1, 5, 9, 17, 64, 65, 197})
     for (double sigma : {1.0, 3.0}) {
       INFO("tokens " << n << " sigma " << sigma);
       const auto qkv = torch::randn({2, n, 3 * 2 * 64}) * sigma, go = torch::randn({2, n, 2 * 64});
@@ -1105,6 +1139,7 @@ TEST_CASE("the training attention kernel's output and qkv gradient equal scaled_
   const auto two = grads(qkv, 6, true, go).second;
   at::set_num_threads(threads);
   CHECK(torch::equal(one, two));
+  }
 }
 
 TEST_CASE("ViT's training step with its attention kernels equals the modules' within float rounding", "[models]") {
