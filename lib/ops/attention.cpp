@@ -83,28 +83,11 @@ struct V {
     const __mmask16 keep = k >= W ? __mmask16(0xffff) : k <= 0 ? __mmask16(0) : __mmask16((1u << k) - 1);
     return _mm512_mask_blend_ps(keep, fill, v);
   }
-  // exp(x) for x <= 0 (a score less its row's maximum) within ~1 ulp: Cephes' expf (kernel_util.h,
-  // as norm_act.cpp's exp_approx), with AVX-512's own rounding (roundscale) and power of two
-  // (scalef) and the reduction in FMAs: 14 instructions where the integer-exponent form took 21.
-  // The clamp keeps a NaN (max returns its second operand for one), so a NaN score gives a NaN row
-  // as ATen's kernel does.
-  static IMGTRAIN_ATTN_AI vec exp(vec x) {
-    namespace ce = cephes_expf;
-    x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);
-    const __m512 fn = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(ce::log2e)),
-                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(fn, _mm512_set1_ps(ce::ln2_hi), x);
-    r = _mm512_fnmadd_ps(fn, _mm512_set1_ps(ce::ln2_lo), r);
-    const __m512 z = _mm512_mul_ps(r, r);
-    __m512 y = _mm512_set1_ps(ce::p0);
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(ce::p1));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(ce::p2));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(ce::p3));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(ce::p4));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(ce::p5));
-    y = _mm512_add_ps(_mm512_fmadd_ps(y, z, r), _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(y, fn);
-  }
+  // exp's pieces (attention_kernels.inc): AVX-512's own rounding (roundscale) and power of two
+  // (scalef), 14 instructions for exp where the integer-exponent form took 21.
+  static IMGTRAIN_ATTN_AI vec fnmadd(vec a, vec b, vec c) { return _mm512_fnmadd_ps(a, b, c); }
+  static IMGTRAIN_ATTN_AI vec round(vec x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static IMGTRAIN_ATTN_AI vec times_pow2(vec y, vec n) { return _mm512_scalef_ps(y, n); }
   static IMGTRAIN_ATTN_AI vec lo(vec a, vec b) {
     return _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
   }
@@ -176,24 +159,12 @@ struct V {
     const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(k), lane));
     return _mm256_blendv_ps(fill, v, keep);
   }
-  // Cephes' expf as AVX-512's above, the power of two 2^fn built in the exponent field (fn >= -126
-  // after the clamp, so a normal number): y * 2^fn is exact either way, so both give the same bits.
-  static IMGTRAIN_ATTN_AI vec exp(vec x) {
-    namespace ce = cephes_expf;
-    x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);
-    const __m256 fn = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(ce::log2e)),
-                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(fn, _mm256_set1_ps(ce::ln2_hi), x);
-    r = _mm256_fnmadd_ps(fn, _mm256_set1_ps(ce::ln2_lo), r);
-    const __m256 z = _mm256_mul_ps(r, r);
-    __m256 y = _mm256_set1_ps(ce::p0);
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(ce::p1));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(ce::p2));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(ce::p3));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(ce::p4));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(ce::p5));
-    y = _mm256_add_ps(_mm256_fmadd_ps(y, z, r), _mm256_set1_ps(1.0f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fn), _mm256_set1_epi32(127)), 23);
+  static IMGTRAIN_ATTN_AI vec fnmadd(vec a, vec b, vec c) { return _mm256_fnmadd_ps(a, b, c); }
+  static IMGTRAIN_ATTN_AI vec round(vec x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  // y * 2^n with 2^n built in the exponent field (n >= -126 after exp's clamp, a normal number):
+  // exact, as AVX-512's scalef, so both copies give the same bits.
+  static IMGTRAIN_ATTN_AI vec times_pow2(vec y, vec n) {
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
   }
   // The 8 x 8 floats in r[0..8) transposed in registers.
@@ -248,7 +219,9 @@ struct V {
   static IMGTRAIN_ATTN_AI float reduce_max(vec v) { return H::reduce_max(H::max(v.lo, v.hi)); }
   static IMGTRAIN_ATTN_AI float reduce_add(vec v) { return H::reduce_add(H::add(v.lo, v.hi)); }
   static IMGTRAIN_ATTN_AI vec first(vec v, int k, vec fill) { return {H::first(v.lo, k, fill.lo), H::first(v.hi, k - 8, fill.hi)}; }
-  static IMGTRAIN_ATTN_AI vec exp(vec x) { return {H::exp(x.lo), H::exp(x.hi)}; }
+  static IMGTRAIN_ATTN_AI vec fnmadd(vec a, vec b, vec c) { return {H::fnmadd(a.lo, b.lo, c.lo), H::fnmadd(a.hi, b.hi, c.hi)}; }
+  static IMGTRAIN_ATTN_AI vec round(vec x) { return {H::round(x.lo), H::round(x.hi)}; }
+  static IMGTRAIN_ATTN_AI vec times_pow2(vec y, vec n) { return {H::times_pow2(y.lo, n.lo), H::times_pow2(y.hi, n.hi)}; }
   static IMGTRAIN_ATTN_AI void transpose(vec r[16]) {
     alignas(64) float m[16][16];
     for (int i = 0; i < 16; ++i) store(m[i], r[i]);

@@ -41,7 +41,7 @@ using AlignedVector = std::vector<T, Aligned64<T>>;
 namespace imgtrain::ops::cephes_expf {
 // Cephes' expf: exp(x) = 2^n exp(r), n = round(x log2(e)), r = x - n ln(2) with ln(2) in two parts
 // (ln2_hi exact in few bits), exp(r) = 1 + r + r^2 p(r), p of degree 5; ~1 ulp over [-87, 88].
-// norm_act.cpp's scalar exp_approx and attention.cpp's AVX-512 exp16 both evaluate it.
+// norm_act.cpp's scalar exp_approx and attention_kernels.inc's vector exp_approx both evaluate it.
 constexpr float log2e = 1.44269504088896341f;
 constexpr float ln2_hi = 0.693359375f;
 constexpr float ln2_lo = -2.12194440e-4f;  // ln(2) = ln2_hi + ln2_lo
