@@ -6,6 +6,8 @@
 #include <ATen/ops/convolution_backward.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/flip.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/sum.h>
 #include <torch/autograd.h>
 
 #include <algorithm>
@@ -183,7 +185,163 @@ struct DepthwiseFunction : torch::autograd::Function<DepthwiseFunction> {
   }
 };
 
+// ---- dense convolutions: the weight gradient as k*k matrix products over shifted rows ----
+//
+// Output pixel (yo, xo), tap (ky, kx) reads input (s*yo + ky - p, s*xo + kx - p). Writing ky - p =
+// s*q + r (0 <= r < s), that is row yo + q of the input's phase r (its rows r, r + s, ...). Each
+// phase (ry, rx) is copied once into a grid of Hg x Wg pixels per image whose first c0 = -qmin rows
+// and columns are zeros (as are the cells past the phase's edge), and the output gradient into the
+// same grid at (0, 0), zeros elsewhere. In that grid the tap's input pixel sits a fixed number of
+// rows (of C floats) after its output pixel, off = (qy - qmin) * Wg + (qx - qmin), for every pixel
+// of the batch at once: a read past a row's (an image's) end lands in the next row's (image's)
+// leading zeros, since Wg >= Wo + qmax (Hg >= Ho + qmax). So the tap's [Co, Ci] gradient is one
+// GEMM, gy_grid^T [Co, P] times phase[off : off + P] [P, Ci], P = N * Hg * Wg, MKL's sgemm at
+// these shapes where oneDNN's weight gradient ran at half the rate.
+struct DenseGrid {
+  int64_t N, H, W, Ci, Co, Ho, Wo, k, s, p;
+  int64_t qmin, qmax, Hg, Wg, P, tail;
+  std::vector<int64_t> q, r;  // per tap
+};
+
+DenseGrid dense_grid(const at::Tensor& x, const at::Tensor& gy, int64_t k, int64_t s, int64_t p) {
+  DenseGrid g{x.size(0), x.size(2), x.size(3), x.size(1), gy.size(1), gy.size(2), gy.size(3), k, s, p};
+  g.qmin = INT64_MAX, g.qmax = INT64_MIN;
+  for (int64_t t = 0; t < k; ++t) {
+    const int64_t d = t - p, q = d >= 0 ? d / s : -((-d + s - 1) / s);
+    g.q.push_back(q), g.r.push_back(d - s * q);
+    g.qmin = std::min(g.qmin, q), g.qmax = std::max(g.qmax, q);
+  }
+  const int64_t c0 = -g.qmin;
+  int64_t rows = 0, cols = 0;  // phase rows / columns read at all: below Ho + qmax, inside the input
+  for (int64_t t = 0; t < k; ++t) {
+    rows = std::max(rows, std::min((g.H - g.r[t] + s - 1) / s, g.Ho + g.qmax));
+    cols = std::max(cols, std::min((g.W - g.r[t] + s - 1) / s, g.Wo + g.qmax));
+  }
+  const int64_t ahead = std::max<int64_t>(g.qmax, 0);
+  g.Hg = std::max(c0 + rows, g.Ho + ahead), g.Wg = std::max(c0 + cols, g.Wo + ahead);
+  g.P = g.N * g.Hg * g.Wg;
+  g.tail = (g.qmax - g.qmin) * (g.Wg + 1);
+  return g;
+}
+
+// dst [N * Hg * Wg (+ tail), C]: src (channels-last [N, C, Hs, Ws]) rows r0, r0 + s, ... and columns
+// c0_src, c0_src + s, ... placed from grid cell (c0, c0), count rows x cols; zeros elsewhere.
+void fill_grid(const at::Tensor& src, int64_t r0, int64_t cs0, int64_t s, int64_t rows, int64_t cols,
+               const DenseGrid& g, int64_t c0, int64_t tail, float* dst) {
+  const int64_t C = src.size(1), Hs = src.size(2), Ws = src.size(3);
+  const float* in = src.const_data_ptr<float>();
+  const int64_t rows_total = g.N * g.Hg;
+  at::parallel_for(0, rows_total, 16, [&](int64_t b, int64_t e) {
+    for (int64_t row = b; row < e; ++row) {
+      const int64_t n = row / g.Hg, i = row % g.Hg - c0;
+      float* out = dst + row * g.Wg * C;
+      if (i < 0 || i >= rows) {
+        std::fill(out, out + g.Wg * C, 0.f);
+        continue;
+      }
+      std::fill(out, out + c0 * C, 0.f);
+      const float* irow = in + ((n * Hs + r0 + i * s) * Ws + cs0) * C;
+      if (s == 1)
+        std::copy(irow, irow + cols * C, out + c0 * C);
+      else
+        for (int64_t j = 0; j < cols; ++j) std::copy(irow + j * s * C, irow + j * s * C + C, out + (c0 + j) * C);
+      std::fill(out + (c0 + cols) * C, out + g.Wg * C, 0.f);
+    }
+  });
+  std::fill(dst + g.P * C, dst + (g.P + tail) * C, 0.f);
+}
+
+at::Tensor dense_weight_grad(const at::Tensor& x, const at::Tensor& gy, int64_t k, int64_t s, int64_t p) {
+  const auto cl = at::MemoryFormat::ChannelsLast;
+  const auto xc = x.contiguous(cl), gc = gy.contiguous(cl);
+  const auto g = dense_grid(xc, gc, k, s, p);
+  auto ggrid = at::empty({g.P, g.Co}, x.options());
+  fill_grid(gc, 0, 0, 1, g.Ho, g.Wo, g, 0, 0, ggrid.mutable_data_ptr<float>());
+  const auto gt = ggrid.t();
+  auto gw = at::empty({g.Co, g.Ci, k, k}, x.options().memory_format(cl));
+  // [Co, k, k, Ci] in memory: the tap (ky, kx) is the [Co, Ci] matrix at ky * k + kx with rows k*k*Ci apart
+  const auto taps = gw.permute({0, 2, 3, 1});
+  const int64_t c0 = -g.qmin;
+  std::vector<std::pair<int64_t, int64_t>> done;
+  at::Tensor phase;
+  for (int64_t ry = 0; ry < s; ++ry)
+    for (int64_t rx = 0; rx < s; ++rx) {
+      bool used_y = false, used_x = false;
+      for (int64_t t = 0; t < k; ++t) used_y |= g.r[t] == ry, used_x |= g.r[t] == rx;
+      if (!used_y || !used_x) continue;
+      const int64_t rows = std::min((g.H - ry + s - 1) / s, g.Ho + g.qmax);
+      const int64_t cols = std::min((g.W - rx + s - 1) / s, g.Wo + g.qmax);
+      if (!phase.defined()) phase = at::empty({g.P + g.tail, g.Ci}, x.options());
+      fill_grid(xc, ry, rx, s, std::max<int64_t>(rows, 0), std::max<int64_t>(cols, 0), g, c0, g.tail,
+                phase.mutable_data_ptr<float>());
+      for (int64_t ky = 0; ky < k; ++ky) {
+        if (g.r[ky] != ry) continue;
+        for (int64_t kx = 0; kx < k; ++kx) {
+          if (g.r[kx] != rx) continue;
+          const int64_t off = (g.q[ky] - g.qmin) * g.Wg + (g.q[kx] - g.qmin);
+          auto out = taps.select(1, ky).select(1, kx);
+          at::mm_out(out, gt, phase.narrow(0, off, g.P));
+        }
+      }
+    }
+  return gw;
+}
+
+struct DenseConvFunction : torch::autograd::Function<DenseConvFunction> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
+                            const at::Tensor& bias, int64_t stride, int64_t padding) {
+    ctx->save_for_backward({x, w});
+    ctx->saved_data["stride"] = stride;
+    ctx->saved_data["padding"] = padding;
+    const bool has_bias = bias.numel() > 0;  // an empty tensor stands for none (see dense_conv_train)
+    ctx->saved_data["bias"] = has_bias;
+    return at::conv2d(x, w, has_bias ? std::optional<at::Tensor>(bias) : std::nullopt, {stride, stride},
+                      {padding, padding});
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto v = ctx->get_saved_variables();
+    const auto& x = v[0];
+    const auto& w = v[1];
+    const int64_t stride = ctx->saved_data["stride"].toInt(), padding = ctx->saved_data["padding"].toInt();
+    const bool has_bias = ctx->saved_data["bias"].toBool();
+    const auto gy = grads[0].contiguous(at::MemoryFormat::ChannelsLast);
+    at::Tensor gx, gw, gb;
+    if (ctx->needs_input_grad(0))
+      gx = std::get<0>(at::convolution_backward(gy, x, w, std::nullopt, {stride, stride}, {padding, padding}, {1, 1},
+                                                false, {0, 0}, 1, {true, false, false}));
+    if (ctx->needs_input_grad(1)) gw = dense_weight_grad(x, gy, w.size(2), stride, padding);
+    if (has_bias && ctx->needs_input_grad(2)) gb = at::sum(gy, {0, 2, 3});
+    return {gx, gw, gb, at::Tensor(), at::Tensor()};
+  }
+};
+
 }  // namespace
+
+bool dense_conv_supported(const at::Tensor& x, const at::Tensor& w, int64_t stride, int64_t padding,
+                          int64_t dilation, int64_t groups) {
+  if (!x.defined() || !w.defined() || x.dim() != 4 || w.dim() != 4 || !x.device().is_cpu() || !w.device().is_cpu())
+    return false;
+  if (x.scalar_type() != at::kFloat || w.scalar_type() != at::kFloat || groups != 1 || dilation != 1) return false;
+  if (!x.is_contiguous(at::MemoryFormat::ChannelsLast) || x.is_contiguous()) return false;
+  const int64_t k = w.size(2);
+  if (w.size(3) != k || w.size(1) != x.size(1) || k != 3 || padding != 1 || (stride != 1 && stride != 2)) return false;
+  if (x.size(1) < kDenseWgradMinChannels || w.size(0) < kDenseWgradMinChannels) return false;
+  return x.size(0) > 0 && x.size(2) >= 1 && x.size(3) >= 1;
+}
+
+at::Tensor dense_conv_train(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, int64_t stride,
+                            int64_t padding) {
+  return DenseConvFunction::apply(x, w, bias.defined() ? bias : at::empty({0}, w.options()), stride, padding);
+}
+
+at::Tensor dense_conv_weight_grad(const at::Tensor& x, const at::Tensor& gy, int64_t k, int64_t stride,
+                                  int64_t padding) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && gy.scalar_type() == at::kFloat && x.dim() == 4 && gy.dim() == 4,
+              "dense_conv_weight_grad: float32 [N, C, H, W] tensors");
+  return dense_weight_grad(x, gy, k, stride, padding);
+}
 
 bool depthwise_conv_supported(const at::Tensor& x, const at::Tensor& w, int64_t stride, int64_t padding,
                               int64_t dilation, int64_t groups) {

@@ -175,11 +175,17 @@ at::Tensor pointwise_gemm(const at::Tensor& x, const at::Tensor& w, const at::Te
       x.scalar_type() != at::kFloat || w.scalar_type() != at::kFloat || at::autocast::is_autocast_enabled(at::kCPU))
     return {};
   if (w.size(2) != 1 || w.size(3) != 1 || groups != 1 || w.size(1) != x.size(1) || stride.size() != 2 ||
-      padding.size() != 2 || stride[0] != 1 || stride[1] != 1 || padding[0] != 0 || padding[1] != 0)
+      padding.size() != 2 || stride[0] != stride[1] || stride[0] < 1 || stride[0] > 2 || padding[0] != 0 ||
+      padding[1] != 0)
     return {};
-  if (x.size(2) * x.size(3) > kPointwiseGemmMaxPixels || !x.is_contiguous(at::MemoryFormat::ChannelsLast)) return {};
-  // [N, H, W, Cin] (a view: channels-last memory) times W^T: [N, H, W, Cout], seen as channels-last NCHW
-  return at::linear(x.permute({0, 2, 3, 1}), w.reshape({w.size(0), w.size(1)}), b).permute({0, 3, 1, 2});
+  const int64_t s = stride[0];
+  const int64_t ho = (x.size(2) - 1) / s + 1, wo = (x.size(3) - 1) / s + 1;
+  if (ho * wo > kPointwiseGemmMaxPixels || !x.is_contiguous(at::MemoryFormat::ChannelsLast)) return {};
+  // [N, H, W, Cin] (a view: channels-last memory; at stride 2 every other row and column, which
+  // at::linear gathers) times W^T: [N, Ho, Wo, Cout], seen as channels-last NCHW
+  auto xp = x.permute({0, 2, 3, 1});
+  if (s > 1) xp = xp.slice(1, 0, std::nullopt, s).slice(2, 0, std::nullopt, s);
+  return at::linear(xp, w.reshape({w.size(0), w.size(1)}), b).permute({0, 3, 1, 2});
 }
 
 namespace {
@@ -232,8 +238,9 @@ bool fusable(const torch::nn::Conv2dImpl& conv, const imgtrain::BatchNorm2dImpl&
 
 std::vector<int64_t> vec(const torch::ExpandingArray<2>& a) { return {a->at(0), a->at(1)}; }
 
-// The module's convolution: in training a GEMM (pointwise_gemm), else trimmed (trimmed_conv2d) or
-// imgtrain's depthwise training path (depthwise_train), where one applies.
+// The module's convolution: in training a GEMM (pointwise_gemm), else trimmed (trimmed_conv2d),
+// imgtrain's depthwise training path (depthwise_train) or, in training, the dense one
+// (ops::dense_conv_train), where one applies.
 at::Tensor conv_forward(torch::nn::Conv2dImpl& conv, ConvImpl* zconv, const at::Tensor& x) {
   const auto& o = conv.options;
   if (std::holds_alternative<torch::ExpandingArray<2>>(o.padding()) &&
@@ -247,6 +254,13 @@ at::Tensor conv_forward(torch::nn::Conv2dImpl& conv, ConvImpl* zconv, const at::
     auto y = trimmed_conv2d(in, conv.weight, conv.bias, stride, padding, vec(o.dilation()), o.groups());
     if (y.defined()) return y;
     if (auto d = depthwise_train(conv, in); d.defined()) return d;
+    // a dense 3x3 convolution's weight gradient by imgtrain's GEMMs (ops/depthwise.h)
+    const auto dilation = vec(o.dilation());
+    if (conv.is_training() && at::GradMode::is_enabled() && conv.weight.requires_grad() &&
+        !at::autocast::is_autocast_enabled(at::kCPU) && stride[0] == stride[1] && padding[0] == padding[1] &&
+        dilation[0] == dilation[1] &&
+        ops::dense_conv_supported(in, conv.weight, stride[0], padding[0], dilation[0], o.groups()))
+      return ops::dense_conv_train(in, conv.weight, conv.bias, stride[0], padding[0]);
   }
   return zconv ? zconv->forward(x) : conv.forward(x);
 }

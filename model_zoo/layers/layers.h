@@ -60,11 +60,12 @@ TORCH_MODULE(Conv);
 at::Tensor trimmed_conv2d(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, at::IntArrayRef stride,
                           at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups);
 
-// A 1x1 convolution (stride 1, no padding, one group) in training (autograd on) over a channels-last
-// float32 CPU map of at most kPointwiseGemmMaxPixels pixels (14x14), as the matrix product it is:
-// at::linear over the [N, H, W, C] view (MKL's GEMM for the forward and both gradients), the output
-// a channels-last [N, Cout, H, W] view. On small maps the GEMM beat oneDNN's convolution, whose
-// weight reorders weigh more there (ResNet-50's last two stages, EfficientNet's and MobileNetV3's
+// A 1x1 convolution (stride 1 or 2, no padding, one group) in training (autograd on) over a
+// channels-last float32 CPU map giving at most kPointwiseGemmMaxPixels output pixels (14x14), as the
+// matrix product it is: at::linear over the [N, H, W, C] view (at stride 2 every other row and
+// column, gathered by the product's reshape; a ResNet's downsampling shortcut), MKL's GEMM for the
+// forward and both gradients, the output a channels-last [N, Cout, Ho, Wo] view. On small maps the
+// GEMM beat oneDNN's convolution, whose weight reorders weigh more there (ResNet-50's last two stages, EfficientNet's and MobileNetV3's
 // last blocks: docs/performance.md "1x1 convolutions over small maps as GEMMs"). Undefined where
 // that does not apply. Float rounding differs from the convolution's (another summation order).
 constexpr int64_t kPointwiseGemmMaxPixels = 196;

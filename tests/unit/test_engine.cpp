@@ -2293,17 +2293,19 @@ TEST_CASE("1x1 convolutions over small channels-last maps run as GEMMs in traini
   // at::conv2d's; the output is a channels-last view; and where it does not apply it says so
   torch::manual_seed(5);
   const auto cl = at::MemoryFormat::ChannelsLast;
-  const std::vector<std::array<int64_t, 4>> shapes{{2, 16, 24, 7}, {3, 40, 8, 14}, {1, 8, 8, 1}};
-  for (const auto& [n, cin, cout, hw] : shapes) {
-    INFO("n " << n << " cin " << cin << " cout " << cout << " map " << hw << "x" << hw);
+  // stride 2 over even and odd maps (every other row and column from the first: 13 -> 7, 14 -> 7)
+  const std::vector<std::array<int64_t, 5>> shapes{{2, 16, 24, 7, 1}, {3, 40, 8, 14, 1}, {1, 8, 8, 1, 1},
+                                                   {2, 16, 24, 13, 2}, {3, 40, 8, 14, 2}, {1, 8, 8, 1, 2}};
+  for (const auto& [n, cin, cout, hw, stride] : shapes) {
+    INFO("n " << n << " cin " << cin << " cout " << cout << " map " << hw << "x" << hw << " stride " << stride);
     auto x = torch::randn({n, cin, hw, hw}).contiguous(cl).requires_grad_();
     auto w = torch::randn({cout, cin, 1, 1}).contiguous(cl).requires_grad_();
     auto b = torch::randn({cout}).requires_grad_();
     for (bool bias : {false, true}) {
       const auto bb = bias ? b : at::Tensor();
-      auto y = model_zoo::pointwise_gemm(x, w, bb, {1, 1}, {0, 0}, 1);
+      auto y = model_zoo::pointwise_gemm(x, w, bb, {stride, stride}, {0, 0}, 1);
       REQUIRE(y.defined());
-      auto ref = at::conv2d(x, w, bb);
+      auto ref = at::conv2d(x, w, bb, stride);
       REQUIRE(y.sizes() == ref.sizes());
       CHECK(y.is_contiguous(cl));
       CHECK(torch::allclose(y, ref, 1e-4, 1e-4));
@@ -2325,7 +2327,11 @@ TEST_CASE("1x1 convolutions over small channels-last maps run as GEMMs in traini
   const auto x210 = torch::randn({2, 16, 15, 14}).contiguous(cl);  // 210 pixels
   CHECK_FALSE(model_zoo::pointwise_gemm(x210, w, {}, {1, 1}, {0, 0}, 1).defined());
   CHECK_FALSE(model_zoo::pointwise_gemm(torch::randn({2, 16, 7, 7}), w, {}, {1, 1}, {0, 0}, 1).defined());  // NCHW
-  CHECK_FALSE(model_zoo::pointwise_gemm(x, w, {}, {2, 2}, {0, 0}, 1).defined());                            // stride 2
+  CHECK_FALSE(model_zoo::pointwise_gemm(x, w, {}, {3, 3}, {0, 0}, 1).defined());                            // stride 3
+  CHECK_FALSE(model_zoo::pointwise_gemm(x, w, {}, {2, 1}, {0, 0}, 1).defined());                            // 2 x 1
+  // stride 2 (a ResNet's downsampling shortcut): the output's pixels count, 15x15 from 30x30 too many
+  CHECK(model_zoo::pointwise_gemm(torch::randn({2, 16, 28, 28}).contiguous(cl), w, {}, {2, 2}, {0, 0}, 1).defined());
+  CHECK_FALSE(model_zoo::pointwise_gemm(torch::randn({2, 16, 30, 30}).contiguous(cl), w, {}, {2, 2}, {0, 0}, 1).defined());
   CHECK_FALSE(model_zoo::pointwise_gemm(x, torch::randn({8, 16, 3, 3}), {}, {1, 1}, {1, 1}, 1).defined());  // 3x3
   CHECK_FALSE(model_zoo::pointwise_gemm(x.to(at::kDouble), w.to(at::kDouble), {}, {1, 1}, {0, 0}, 1).defined());
   {
@@ -2342,6 +2348,92 @@ TEST_CASE("1x1 convolutions over small channels-last maps run as GEMMs in traini
   // the features alone (no classifier's addmm): a GEMM among them is a 1x1 convolution's
   const auto names = ops_called([&] { m->forward_features(in).sum().backward(); });
   CHECK(names.count("aten::mm"));
+}
+
+TEST_CASE("Dense 3x3 convolutions in training: the weight gradient as GEMMs over shifted rows equals ATen's",
+          "[models][ops]") {
+  const auto cl = at::MemoryFormat::ChannelsLast;
+  // where every product and sum is exact (halves and quarters), the weight gradient is ATen's bit
+  // for bit whatever the order of the sums: a wrong tap, phase, offset or border fails here. Kernel
+  // sizes, strides and paddings beyond the 3x3 the models use, odd and non-square maps, one pixel.
+  struct Geo {
+    int64_t n, ci, co, h, w, k, s, p;
+  };
+  const std::vector<Geo> geos{{2, 5, 7, 9, 9, 3, 1, 1},  {3, 4, 6, 8, 11, 3, 2, 1}, {2, 3, 5, 7, 7, 3, 2, 1},
+                              {1, 6, 4, 1, 1, 3, 1, 1},  {2, 4, 3, 2, 3, 3, 2, 1},  {2, 5, 4, 10, 9, 5, 1, 2},
+                              {2, 3, 4, 11, 8, 5, 2, 2}, {2, 4, 5, 8, 8, 2, 2, 0},  {2, 4, 6, 9, 10, 1, 2, 0},
+                              {2, 3, 4, 12, 13, 3, 3, 1}, {2, 3, 4, 6, 7, 3, 1, 0}, {1, 3, 2, 5, 5, 3, 1, 2},
+                              {2, 3, 3, 9, 8, 4, 2, 1},  {1, 3, 2, 4, 4, 3, 1, 3}};
+  for (const auto& g : geos) {
+    INFO("n " << g.n << " ci " << g.ci << " co " << g.co << " map " << g.h << "x" << g.w << " k " << g.k << " stride "
+              << g.s << " pad " << g.p);
+    torch::manual_seed(21);
+    auto x = (torch::randint(-4, 5, {g.n, g.ci, g.h, g.w}) / 2.0).to(at::kFloat).contiguous(cl);
+    auto w = (torch::randint(-2, 3, {g.co, g.ci, g.k, g.k}) / 4.0).to(at::kFloat).contiguous(cl);
+    auto gy = (torch::randint(-4, 5, at::conv2d(x, w, {}, g.s, g.p).sizes()) / 4.0).to(at::kFloat).contiguous(cl);
+    auto want = std::get<1>(at::convolution_backward(gy, x, w, std::nullopt, {g.s, g.s}, {g.p, g.p}, {1, 1}, false,
+                                                     {0, 0}, 1, {false, true, false}));
+    auto got = ops::dense_conv_weight_grad(x, gy, g.k, g.s, g.p);
+    REQUIRE(got.sizes() == want.sizes());
+    CHECK(got.is_contiguous(cl));
+    CHECK(torch::equal(got, want));
+    // NCHW inputs give the same numbers
+    CHECK(torch::equal(ops::dense_conv_weight_grad(x.contiguous(), gy.contiguous(), g.k, g.s, g.p), got));
+  }
+  // through autograd, random data: the forward is ATen's own, the gradients within float rounding
+  for (int64_t stride : {1, 2})
+    for (bool bias : {false, true})
+      for (int64_t hw : {14, 7}) {
+        INFO("stride " << stride << " bias " << bias << " map " << hw);
+        torch::manual_seed(22);
+        auto x0 = torch::randn({2, 64, hw, hw}).contiguous(cl), w0 = torch::randn({72, 64, 3, 3}).contiguous(cl);
+        auto b0 = torch::randn({72});
+        REQUIRE(ops::dense_conv_supported(x0, w0, stride, 1, 1, 1));
+        at::Tensor gy;
+        auto run = [&](bool ours) {
+          auto x = x0.clone().requires_grad_(), w = w0.clone().requires_grad_();
+          auto b = bias ? b0.clone().requires_grad_() : at::Tensor();
+          auto y = ours ? ops::dense_conv_train(x, w, b, stride, 1) : at::conv2d(x, w, b, stride, 1);
+          if (!gy.defined()) gy = torch::randn(y.sizes()).contiguous(cl);
+          y.backward(gy);
+          return std::vector<at::Tensor>{y.detach(), x.grad(), w.grad(), bias ? b.grad() : torch::zeros({1})};
+        };
+        const auto want = run(false), got = run(true);
+        CHECK(torch::equal(got[0], want[0]));
+        CHECK(torch::equal(got[1], want[1]));  // the input gradient is ATen's too
+        for (size_t i = 2; i < want.size(); ++i) {
+          INFO("gradient " << i);
+          REQUIRE(got[i].sizes() == want[i].sizes());
+          CHECK(rel_err(got[i], want[i]) < 2e-5);
+        }
+      }
+  // what it takes: float32 channels-last, 3x3, stride 1 or 2, padding 1, one group, >= 64 channels
+  auto x = torch::randn({2, 64, 8, 8}).contiguous(cl), w = torch::randn({64, 64, 3, 3}).contiguous(cl);
+  CHECK(ops::dense_conv_supported(x, w, 1, 1, 1, 1));
+  CHECK(ops::dense_conv_supported(x, w, 2, 1, 1, 1));
+  CHECK_FALSE(ops::dense_conv_supported(x, w, 3, 1, 1, 1));
+  CHECK_FALSE(ops::dense_conv_supported(x, w, 1, 0, 1, 1));
+  CHECK_FALSE(ops::dense_conv_supported(x, w, 1, 1, 2, 1));
+  CHECK_FALSE(ops::dense_conv_supported(x.contiguous(), w, 1, 1, 1, 1));  // NCHW
+  CHECK_FALSE(ops::dense_conv_supported(x.to(at::kDouble), w.to(at::kDouble), 1, 1, 1, 1));
+  CHECK_FALSE(ops::dense_conv_supported(x, torch::randn({64, 32, 3, 3}).contiguous(cl), 1, 1, 1, 2));  // groups
+  CHECK_FALSE(ops::dense_conv_supported(x.narrow(1, 0, 32).contiguous(cl), torch::randn({64, 32, 3, 3}).contiguous(cl),
+                                        1, 1, 1, 1));  // 32 channels in
+  CHECK_FALSE(ops::dense_conv_supported(x, torch::randn({64, 64, 5, 5}).contiguous(cl), 1, 2, 1, 1));
+  // in a model: a ResNet's training step takes it for its 3x3 convolutions; evaluation does not
+  ModelArgs a;
+  a.num_classes = 10;
+  auto m = model_zoo::create_model("resnet18", a);
+  m->train();
+  engine::to_channels_last(*m);
+  const auto in = torch::randn({2, 3, 64, 64}).contiguous(cl);
+  const auto took = [&](const std::set<std::string>& names) {
+    return std::any_of(names.begin(), names.end(),
+                       [](const std::string& n) { return n.find("DenseConvFunction") != std::string::npos; });
+  };
+  CHECK(took(ops_called([&] { m->forward_features(in).sum().backward(); })));
+  m->eval();
+  CHECK_FALSE(took(ops_called([&] { m->forward_features(in).sum().backward(); })));
 }
 
 TEST_CASE("CUDA: the fused training BatchNorm equals torch's ops on the device and gives the same bits every run",
