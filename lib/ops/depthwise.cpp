@@ -1,4 +1,5 @@
 #include "ops/depthwise.h"
+#include "ops/winograd.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/TensorOperators.h>
@@ -8,6 +9,7 @@
 #include <ATen/ops/flip.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/sum.h>
+#include <ATen/ops/zeros.h>
 #include <torch/autograd.h>
 
 #include <algorithm>
@@ -287,6 +289,13 @@ at::Tensor dense_weight_grad(const at::Tensor& x, const at::Tensor& gy, int64_t 
   return gw;
 }
 
+// Whether the forward and input gradient run by Winograd's F(2x2, 3x3) (ops/winograd.h): stride 1,
+// padding 1, at most kDenseWinogradMaxChannels in and out.
+bool dense_winograd(const at::Tensor& w, int64_t stride, int64_t padding) {
+  return stride == 1 && padding == 1 && w.size(2) == 3 && w.size(3) == 3 && w.size(0) <= kDenseWinogradMaxChannels &&
+         w.size(1) <= kDenseWinogradMaxChannels;
+}
+
 struct DenseConvFunction : torch::autograd::Function<DenseConvFunction> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
                             const at::Tensor& bias, int64_t stride, int64_t padding) {
@@ -295,6 +304,11 @@ struct DenseConvFunction : torch::autograd::Function<DenseConvFunction> {
     ctx->saved_data["padding"] = padding;
     const bool has_bias = bias.numel() > 0;  // an empty tensor stands for none (see dense_conv_train)
     ctx->saved_data["bias"] = has_bias;
+    if (dense_winograd(w, stride, padding)) {
+      const auto U = winograd_pack_3x3_train(w, false);
+      if (winograd_conv3x3_supported(x, U))
+        return winograd_conv3x3(x, U, has_bias ? bias.contiguous() : at::zeros({w.size(0)}, w.options()), false);
+    }
     return at::conv2d(x, w, has_bias ? std::optional<at::Tensor>(bias) : std::nullopt, {stride, stride},
                       {padding, padding});
   }
@@ -308,7 +322,10 @@ struct DenseConvFunction : torch::autograd::Function<DenseConvFunction> {
     const bool has_bias = ctx->saved_data["bias"].toBool();
     const auto gy = grads[0].contiguous(at::MemoryFormat::ChannelsLast);
     at::Tensor gx, gw, gb;
-    if (ctx->needs_input_grad(0))
+    if (ctx->needs_input_grad(0) && dense_winograd(w, stride, padding))
+      // the input gradient of a stride-1 correlation: the correlation of gy with the rotated, transposed filters
+      gx = winograd_conv3x3(gy, winograd_pack_3x3_train(w, true), at::zeros({w.size(1)}, w.options()), false);
+    else if (ctx->needs_input_grad(0))
       gx = std::get<0>(at::convolution_backward(gy, x, w, std::nullopt, {stride, stride}, {padding, padding}, {1, 1},
                                                 false, {0, 0}, 1, {true, false, false}));
     if (ctx->needs_input_grad(1)) gw = dense_weight_grad(x, gy, w.size(2), stride, padding);

@@ -30,12 +30,15 @@ at::Tensor depthwise_conv_train(const at::Tensor& x, const at::Tensor& w, const 
 std::pair<at::Tensor, at::Tensor> depthwise_conv_weight_grad(const at::Tensor& x, const at::Tensor& gy, int64_t k,
                                                              int64_t stride, int64_t padding);
 
-// Dense (ungrouped) convolutions in training on the CPU: the forward and the input gradient are
-// oneDNN's (ATen's convolution), the weight gradient imgtrain's, as k*k GEMMs over the input's
-// phases laid out so that each tap is a fixed row offset (depthwise.cpp). On ResNet-50's 3x3
-// shapes oneDNN's weight gradient ran at 54-126 GFLOP/s on a Zen 3 CPU, the GEMMs at 115-150
-// (docs/performance.md). Rounding differs from oneDNN's (another summation order).
+// Dense (ungrouped) convolutions in training on the CPU: the weight gradient is imgtrain's, as k*k
+// GEMMs over the input's phases laid out so that each tap is a fixed row offset (depthwise.cpp); on
+// ResNet-50's 3x3 shapes oneDNN's weight gradient ran at 54-126 GFLOP/s on a Zen 3 CPU, the GEMMs
+// at 115-150 (docs/performance.md). The forward and the input gradient are Winograd's F(2x2, 3x3)
+// (ops/winograd.h, the filters packed each call) at stride 1 with at most
+// kDenseWinogradMaxChannels channels in and out (at 512 the packing cost what the kernel saved),
+// else oneDNN's (ATen's convolution). Rounding differs from oneDNN's (other sums).
 constexpr int64_t kDenseWgradMinChannels = 64;
+constexpr int64_t kDenseWinogradMaxChannels = 256;
 // Whether dense_conv_train takes it: x float32 channels-last on the CPU, w [Co, Ci, 3, 3] float32,
 // stride 1 or 2, padding 1, dilation 1, one group, Ci and Co at least kDenseWgradMinChannels.
 bool dense_conv_supported(const at::Tensor& x, const at::Tensor& w, int64_t stride, int64_t padding,

@@ -108,7 +108,45 @@ int64_t block_tiles(int64_t tiles) {
   return (tiles + blocks - 1) / blocks;
 }
 
+// U[4i+j][n] = (G g G^T)[i][j] for the 3x3 filters g[a][b] = w[(3a+b) * plane + n] (rotated by 180
+// degrees: g[a][b] = w[(3(2-a) + 2-b) * plane + n]), n in [n0, n1); float32 sums of halves.
+IMGTRAIN_CLONES void pack_train(const float* w, float* U, int64_t plane, int64_t n0, int64_t n1, bool rotate) {
+  for (int64_t n = n0; n < n1; ++n) {
+    float g[3][3];
+    for (int a = 0; a < 3; ++a)
+      for (int b = 0; b < 3; ++b) g[a][b] = w[(rotate ? 3 * (2 - a) + 2 - b : 3 * a + b) * plane + n];
+    float t[4][3];  // G g
+    for (int b = 0; b < 3; ++b) {
+      t[0][b] = g[0][b];
+      t[1][b] = 0.5f * (g[0][b] + g[1][b] + g[2][b]);
+      t[2][b] = 0.5f * (g[0][b] - g[1][b] + g[2][b]);
+      t[3][b] = g[2][b];
+    }
+    for (int i = 0; i < 4; ++i) {  // (G g) G^T
+      U[(4 * i + 0) * plane + n] = t[i][0];
+      U[(4 * i + 1) * plane + n] = 0.5f * (t[i][0] + t[i][1] + t[i][2]);
+      U[(4 * i + 2) * plane + n] = 0.5f * (t[i][0] - t[i][1] + t[i][2]);
+      U[(4 * i + 3) * plane + n] = t[i][2];
+    }
+  }
+}
+
 }  // namespace
+
+at::Tensor winograd_pack_3x3_train(const at::Tensor& weight, bool input_grad) {
+  TORCH_CHECK(weight.dim() == 4 && weight.size(2) == 3 && weight.size(3) == 3 && weight.scalar_type() == at::kFloat &&
+                  weight.device().is_cpu(),
+              "winograd_pack_3x3_train: float32 CPU weight [K, C, 3, 3]");
+  const int64_t K = weight.size(0), C = weight.size(1);
+  // [3, 3, C, K] (or [3, 3, K, C] for the input gradient's filters): each tap a plane in U's order
+  const auto taps = (input_grad ? weight.permute({2, 3, 0, 1}) : weight.permute({2, 3, 1, 0})).contiguous();
+  const int64_t plane = C * K;
+  auto U = input_grad ? at::empty({16, K, C}, taps.options()) : at::empty({16, C, K}, taps.options());
+  const float* w = taps.const_data_ptr<float>();
+  float* u = U.mutable_data_ptr<float>();
+  at::parallel_for(0, plane, 4096, [&](int64_t n0, int64_t n1) { pack_train(w, u, plane, n0, n1, input_grad); });
+  return U;
+}
 
 at::Tensor winograd_pack_3x3(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 4 && weight.size(2) == 3 && weight.size(3) == 3, "winograd_pack_3x3: weight [K, C, 3, 3]");

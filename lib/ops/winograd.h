@@ -1,5 +1,5 @@
 // 3x3 convolutions with stride 1 and padding 1 by Winograd's minimal filtering F(2x2, 3x3), for
-// inference on the CPU: each 2x2 block of outputs from a 4x4 input patch with 16 multiplications a
+// inference on the CPU (and in training, the forward and input gradient of ops::dense_conv_train): each 2x2 block of outputs from a 4x4 input patch with 16 multiplications a
 // channel pair where the direct convolution needs 36, so 2.25x fewer multiply-adds; the transforms
 // are additions and halvings (float rounding of the same order as the direct sum's, no division).
 #pragma once
@@ -10,6 +10,12 @@ namespace imgtrain::ops {
 // The transformed filters of a weight [K, C, 3, 3]: U [16, C, K] float32, U[4i+j] = (G g G^T)[i][j]
 // (computed in float64, rounded once).
 at::Tensor winograd_pack_3x3(const at::Tensor& weight);
+
+// The same in float32 sums (halves: rounding of the same order), for training, which packs every
+// step: U [16, C, K] of a float32 CPU weight [K, C, 3, 3]; with input_grad, the filters of the
+// input gradient of conv2d(x, weight, stride 1, padding 1), weight transposed to [C, K] and each
+// 3x3 rotated by 180 degrees: U [16, K, C], so that winograd_conv3x3(gy, U, zeros) is that gradient.
+at::Tensor winograd_pack_3x3_train(const at::Tensor& weight, bool input_grad);
 
 // Whether winograd_conv3x3 takes x with the filters U and the residual (undefined for none): x a
 // float32 CPU [N, C, H, W] in channels-last memory, U [16, C, K] float32 contiguous, the residual

@@ -2350,7 +2350,7 @@ TEST_CASE("1x1 convolutions over small channels-last maps run as GEMMs in traini
   CHECK(names.count("aten::mm"));
 }
 
-TEST_CASE("Dense 3x3 convolutions in training: the weight gradient as GEMMs over shifted rows equals ATen's",
+TEST_CASE("Dense 3x3 convolutions in training: the weight gradient as GEMMs over shifted rows, Winograd at stride 1",
           "[models][ops]") {
   const auto cl = at::MemoryFormat::ChannelsLast;
   // where every product and sum is exact (halves and quarters), the weight gradient is ATen's bit
@@ -2380,33 +2380,56 @@ TEST_CASE("Dense 3x3 convolutions in training: the weight gradient as GEMMs over
     // NCHW inputs give the same numbers
     CHECK(torch::equal(ops::dense_conv_weight_grad(x.contiguous(), gy.contiguous(), g.k, g.s, g.p), got));
   }
-  // through autograd, random data: the forward is ATen's own, the gradients within float rounding
+  // through autograd, random data, against float64: at stride 1 with at most 256 channels the
+  // forward and the input gradient are Winograd's (within 4x ATen's float32 error), else ATen's own
+  // (equal bits); the weight and bias gradients within float rounding
   for (int64_t stride : {1, 2})
     for (bool bias : {false, true})
-      for (int64_t hw : {14, 7}) {
-        INFO("stride " << stride << " bias " << bias << " map " << hw);
+      for (const auto& [ci, co, hw] : std::vector<std::array<int64_t, 3>>{{64, 72, 14}, {64, 72, 7}, {72, 64, 9},
+                                                                          {264, 64, 6}}) {
+        const bool winograd = stride == 1 && ci <= ops::kDenseWinogradMaxChannels && co <= ops::kDenseWinogradMaxChannels;
+        INFO("stride " << stride << " bias " << bias << " channels " << ci << " -> " << co << " map " << hw
+                       << " winograd " << winograd);
         torch::manual_seed(22);
-        auto x0 = torch::randn({2, 64, hw, hw}).contiguous(cl), w0 = torch::randn({72, 64, 3, 3}).contiguous(cl);
-        auto b0 = torch::randn({72});
+        auto x0 = torch::randn({2, ci, hw, hw}).contiguous(cl), w0 = torch::randn({co, ci, 3, 3}).contiguous(cl);
+        auto b0 = torch::randn({co});
         REQUIRE(ops::dense_conv_supported(x0, w0, stride, 1, 1, 1));
-        at::Tensor gy;
-        auto run = [&](bool ours) {
-          auto x = x0.clone().requires_grad_(), w = w0.clone().requires_grad_();
-          auto b = bias ? b0.clone().requires_grad_() : at::Tensor();
+        const auto gy = torch::randn(at::conv2d(x0, w0, {}, stride, 1).sizes()).contiguous(cl);
+        auto run = [&](bool ours, at::ScalarType dt) {
+          auto x = x0.to(dt).clone().requires_grad_(), w = w0.to(dt).clone().requires_grad_();
+          auto b = bias ? b0.to(dt).clone().requires_grad_() : at::Tensor();
           auto y = ours ? ops::dense_conv_train(x, w, b, stride, 1) : at::conv2d(x, w, b, stride, 1);
-          if (!gy.defined()) gy = torch::randn(y.sizes()).contiguous(cl);
-          y.backward(gy);
-          return std::vector<at::Tensor>{y.detach(), x.grad(), w.grad(), bias ? b.grad() : torch::zeros({1})};
+          y.backward(gy.to(dt));
+          std::vector<at::Tensor> r{y.detach(), x.grad(), w.grad(), bias ? b.grad() : torch::zeros({1}, dt)};
+          for (auto& t : r) t = t.to(at::kDouble);
+          return r;
         };
-        const auto want = run(false), got = run(true);
-        CHECK(torch::equal(got[0], want[0]));
-        CHECK(torch::equal(got[1], want[1]));  // the input gradient is ATen's too
-        for (size_t i = 2; i < want.size(); ++i) {
+        const auto exact = run(false, at::kDouble), aten = run(false, at::kFloat), got = run(true, at::kFloat);
+        for (size_t i = 0; i < 2; ++i) {
+          INFO((i == 0 ? "output" : "input gradient"));
+          if (winograd)
+            CHECK(rel_err(got[i], exact[i]) <= 4 * rel_err(aten[i], exact[i]) + 1e-7);
+          else
+            CHECK(torch::equal(got[i], aten[i]));
+        }
+        for (size_t i = 2; i < got.size(); ++i) {
           INFO("gradient " << i);
-          REQUIRE(got[i].sizes() == want[i].sizes());
-          CHECK(rel_err(got[i], want[i]) < 2e-5);
+          REQUIRE(got[i].sizes() == exact[i].sizes());
+          CHECK(rel_err(got[i], exact[i]) < 2e-5);
         }
       }
+  // Winograd's filters packed in float32 each step: those packed once in float64, within rounding,
+  // and the input gradient's (transposed, rotated) ones
+  {
+    torch::manual_seed(23);
+    const auto w = torch::randn({40, 24, 3, 3}).contiguous(cl);
+    const auto fwd = ops::winograd_pack_3x3_train(w, false), back = ops::winograd_pack_3x3_train(w, true);
+    REQUIRE(fwd.sizes() == at::IntArrayRef{16, 24, 40});
+    REQUIRE(back.sizes() == at::IntArrayRef{16, 40, 24});
+    CHECK(rel_err(fwd, ops::winograd_pack_3x3(w)) < 1e-6);
+    CHECK(rel_err(back, ops::winograd_pack_3x3(w.transpose(0, 1).flip({2, 3}))) < 1e-6);
+    CHECK(torch::equal(ops::winograd_pack_3x3_train(w.contiguous(), true), back));  // any weight layout
+  }
   // what it takes: float32 channels-last, 3x3, stride 1 or 2, padding 1, one group, >= 64 channels
   auto x = torch::randn({2, 64, 8, 8}).contiguous(cl), w = torch::randn({64, 64, 3, 3}).contiguous(cl);
   CHECK(ops::dense_conv_supported(x, w, 1, 1, 1, 1));
@@ -2431,7 +2454,9 @@ TEST_CASE("Dense 3x3 convolutions in training: the weight gradient as GEMMs over
     return std::any_of(names.begin(), names.end(),
                        [](const std::string& n) { return n.find("DenseConvFunction") != std::string::npos; });
   };
-  CHECK(took(ops_called([&] { m->forward_features(in).sum().backward(); })));
+  const auto names = ops_called([&] { m->forward_features(in).sum().backward(); });
+  CHECK(took(names));
+  CHECK(names.count("imgtrain::winograd_conv3x3"));  // its 64- to 256-channel stages
   m->eval();
   CHECK_FALSE(took(ops_called([&] { m->forward_features(in).sum().backward(); })));
 }
