@@ -227,7 +227,7 @@ DenseGrid dense_grid(const at::Tensor& x, const at::Tensor& gy, int64_t k, int64
 }
 
 // dst [N * Hg * Wg (+ tail), C]: src (channels-last [N, C, Hs, Ws]) rows r0, r0 + s, ... and columns
-// c0_src, c0_src + s, ... placed from grid cell (c0, c0), count rows x cols; zeros elsewhere.
+// cs0, cs0 + s, ... placed from grid cell (c0, c0), count rows x cols; zeros elsewhere.
 void fill_grid(const at::Tensor& src, int64_t r0, int64_t cs0, int64_t s, int64_t rows, int64_t cols,
                const DenseGrid& g, int64_t c0, int64_t tail, float* dst) {
   const int64_t C = src.size(1), Hs = src.size(2), Ws = src.size(3);
