@@ -9,7 +9,6 @@
 #include <ATen/ops/flip.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/sum.h>
-#include <ATen/ops/zeros.h>
 #include <torch/autograd.h>
 
 #include <algorithm>
@@ -149,25 +148,41 @@ void weight_grad_impl(const at::Tensor& xc, const at::Tensor& gc, int k, const G
   });
 }
 
+// What the backward of a convolution with imgtrain's weight gradient (DepthwiseFunction,
+// DenseConvFunction) reads back: saved by save_conv in the forward.
+struct SavedConv {
+  at::Tensor x, w;
+  int64_t stride, padding;
+  bool has_bias;
+};
+// Saves them; an empty bias tensor stands for none (autograd functions take no undefined tensors).
+// Returns whether there is a bias.
+bool save_conv(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
+               int64_t stride, int64_t padding) {
+  ctx->save_for_backward({x, w});
+  ctx->saved_data["stride"] = stride;
+  ctx->saved_data["padding"] = padding;
+  const bool has_bias = bias.numel() > 0;
+  ctx->saved_data["bias"] = has_bias;
+  return has_bias;
+}
+SavedConv saved_conv(torch::autograd::AutogradContext* ctx) {
+  const auto v = ctx->get_saved_variables();
+  return {v[0], v[1], ctx->saved_data["stride"].toInt(), ctx->saved_data["padding"].toInt(),
+          ctx->saved_data["bias"].toBool()};
+}
+
 struct DepthwiseFunction : torch::autograd::Function<DepthwiseFunction> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
                             const at::Tensor& bias, int64_t stride, int64_t padding) {
-    ctx->save_for_backward({x, w});
-    ctx->saved_data["stride"] = stride;
-    ctx->saved_data["padding"] = padding;
-    const bool has_bias = bias.numel() > 0;  // an empty tensor stands for none (see depthwise_conv_train)
-    ctx->saved_data["bias"] = has_bias;
+    const bool has_bias = save_conv(ctx, x, w, bias, stride, padding);
     return at::conv2d(x, w, has_bias ? std::optional<at::Tensor>(bias) : std::nullopt, {stride, stride},
                       {padding, padding}, {1, 1}, x.size(1));
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    const auto v = ctx->get_saved_variables();
-    const auto& x = v[0];
-    const auto& w = v[1];
-    const int64_t stride = ctx->saved_data["stride"].toInt(), padding = ctx->saved_data["padding"].toInt();
-    const bool has_bias = ctx->saved_data["bias"].toBool();
+    const auto [x, w, stride, padding, has_bias] = saved_conv(ctx);
     const auto& gy = grads[0];
     at::Tensor gx, gw, gb;
     if (ctx->needs_input_grad(0)) {
@@ -299,15 +314,11 @@ bool dense_winograd(const at::Tensor& w, int64_t stride, int64_t padding) {
 struct DenseConvFunction : torch::autograd::Function<DenseConvFunction> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
                             const at::Tensor& bias, int64_t stride, int64_t padding) {
-    ctx->save_for_backward({x, w});
-    ctx->saved_data["stride"] = stride;
-    ctx->saved_data["padding"] = padding;
-    const bool has_bias = bias.numel() > 0;  // an empty tensor stands for none (see dense_conv_train)
-    ctx->saved_data["bias"] = has_bias;
+    const bool has_bias = save_conv(ctx, x, w, bias, stride, padding);
     if (dense_winograd(w, stride, padding)) {
       const auto U = winograd_pack_3x3_train(w, false);
       if (winograd_conv3x3_supported(x, U))
-        return winograd_conv3x3(x, U, has_bias ? bias.contiguous() : at::zeros({w.size(0)}, w.options()), false);
+        return winograd_conv3x3(x, U, has_bias ? bias.contiguous() : at::Tensor(), false);
     }
     return at::conv2d(x, w, has_bias ? std::optional<at::Tensor>(bias) : std::nullopt, {stride, stride},
                       {padding, padding});
@@ -315,16 +326,12 @@ struct DenseConvFunction : torch::autograd::Function<DenseConvFunction> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    const auto v = ctx->get_saved_variables();
-    const auto& x = v[0];
-    const auto& w = v[1];
-    const int64_t stride = ctx->saved_data["stride"].toInt(), padding = ctx->saved_data["padding"].toInt();
-    const bool has_bias = ctx->saved_data["bias"].toBool();
+    const auto [x, w, stride, padding, has_bias] = saved_conv(ctx);
     const auto gy = grads[0].contiguous(at::MemoryFormat::ChannelsLast);
     at::Tensor gx, gw, gb;
     if (ctx->needs_input_grad(0) && dense_winograd(w, stride, padding))
       // the input gradient of a stride-1 correlation: the correlation of gy with the rotated, transposed filters
-      gx = winograd_conv3x3(gy, winograd_pack_3x3_train(w, true), at::zeros({w.size(1)}, w.options()), false);
+      gx = winograd_conv3x3(gy, winograd_pack_3x3_train(w, true), at::Tensor(), false);
     else if (ctx->needs_input_grad(0))
       gx = std::get<0>(at::convolution_backward(gy, x, w, std::nullopt, {stride, stride}, {padding, padding}, {1, 1},
                                                 false, {0, 0}, 1, {true, false, false}));

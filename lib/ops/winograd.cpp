@@ -188,7 +188,8 @@ at::Tensor winograd_conv3x3(const at::Tensor& x, const at::Tensor& U, const at::
               "winograd_conv3x3: x, U and the residual must be float32 on the CPU, x and the residual channels-last, "
               "U [16, C, K], the residual [N, K, H, W]");
   const int64_t N = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3), K = U.size(2);
-  TORCH_CHECK(bias.numel() == K && bias.is_contiguous() && bias.scalar_type() == at::kFloat, "winograd_conv3x3: bias [K]");
+  TORCH_CHECK(!bias.defined() || (bias.numel() == K && bias.is_contiguous() && bias.scalar_type() == at::kFloat),
+              "winograd_conv3x3: bias [K] or undefined");
   TORCH_CHECK(!into_residual || residual.defined(), "winograd_conv3x3: into_residual without a residual");
   // in place: each output element is written after the residual's value at its place is read
   auto y = into_residual ? residual : at::empty({N, K, H, W}, x.options().memory_format(at::MemoryFormat::ChannelsLast));
@@ -198,7 +199,7 @@ at::Tensor winograd_conv3x3(const at::Tensor& x, const at::Tensor& U, const at::
   const int64_t T = block_tiles(tiles), blocks = (tiles + T - 1) / T;
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const float* bp = bias.data_ptr<float>();
+  const float* bias_p = bias.defined() ? bias.data_ptr<float>() : nullptr;
   RECORD_FUNCTION("imgtrain::winograd_conv3x3", std::vector<c10::IValue>());
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     c10::AutoGradMode no_grad(false);
@@ -210,6 +211,7 @@ at::Tensor winograd_conv3x3(const at::Tensor& x, const at::Tensor& U, const at::
     float* zeros = M + 16 * T * K;         // zeros: the padding's pixels, the residual past the edge
     float* sink = zeros + std::max(C, K);  // K floats: outputs past the map's edge
     std::fill(zeros, sink, 0.0f);
+    const float* bp = bias_p ? bias_p : zeros;  // no bias: K zeros
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t t0 = blk * T, nt = std::min(T, tiles - t0);
       for (int64_t i = 0; i < nt; ++i) {

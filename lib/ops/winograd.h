@@ -23,8 +23,8 @@ at::Tensor winograd_pack_3x3_train(const at::Tensor& weight, bool input_grad);
 bool winograd_conv3x3_supported(const at::Tensor& x, const at::Tensor& U, const at::Tensor& residual = {});
 
 // y = conv2d(x, weight, bias, stride 1, padding 1) + residual, with ReLU after it when `relu`, from
-// the packed filters U = winograd_pack_3x3(weight) and bias [K] (float32); residual undefined for
-// none. x, residual and y channels-last [N, C|K|K, H, W]. into_residual: y is the residual, overwritten.
+// the packed filters U = winograd_pack_3x3(weight) and bias [K] (float32; undefined for none);
+// residual undefined for none. x, residual and y channels-last [N, C|K|K, H, W]. into_residual: y is the residual, overwritten.
 // The tiles of outputs are shared among at::parallel_for's threads in blocks whose transformed
 // inputs and products stay in cache; each block's 16 products run as one batched GEMM.
 at::Tensor winograd_conv3x3(const at::Tensor& x, const at::Tensor& U, const at::Tensor& bias, bool relu,

@@ -977,6 +977,10 @@ TEST_CASE("Winograd's F(2x2, 3x3) convolution equals a float64 convolution as cl
     const auto r = torch::randn({1, 32, 6, 5}).contiguous(at::MemoryFormat::ChannelsLast);
     CHECK_THROWS(ops::winograd_conv3x3(x, U, torch::zeros({32}), true, r));
     CHECK_THROWS(ops::winograd_conv3x3(x, U, torch::zeros({32}), true, r, true));
+    // no bias (undefined) is a zero bias; a bias of another size is refused
+    const auto x2 = torch::randn({2, 32, 7, 9}).contiguous(at::MemoryFormat::ChannelsLast);
+    CHECK(torch::equal(ops::winograd_conv3x3(x2, U, {}, false), ops::winograd_conv3x3(x2, U, torch::zeros({32}), false)));
+    CHECK_THROWS(ops::winograd_conv3x3(x2, U, torch::zeros({31}), false));
   }
   // inputs it does not take: NCHW memory with maps over 1x1, float64, filters for other channels, a
   // residual of another shape or in NCHW memory (other devices' tensors aside)
@@ -2287,6 +2291,16 @@ TEST_CASE("channels_last_weight gives strides torch reads as channels-last also 
   }
 }
 
+// A zoo model in training mode with channels-last weights (10 classes), as the CPU training default runs it.
+model_zoo::Model channels_last_training_model(const std::string& name) {
+  ModelArgs a;
+  a.num_classes = 10;
+  auto m = model_zoo::create_model(name, a);
+  m->train();
+  engine::to_channels_last(*m);
+  return m;
+}
+
 TEST_CASE("1x1 convolutions over small channels-last maps run as GEMMs in training: same outputs and gradients",
           "[models]") {
   // float32 (the only type it takes): outputs and the three gradients within rounding of
@@ -2339,11 +2353,7 @@ TEST_CASE("1x1 convolutions over small channels-last maps run as GEMMs in traini
     CHECK_FALSE(model_zoo::pointwise_gemm(x, w, {}, {1, 1}, {0, 0}, 1).defined());
   }
   // in a model: ResNet-50's training step at 224 px runs its last stages' 1x1 convolutions so
-  ModelArgs a;
-  a.num_classes = 10;
-  auto m = model_zoo::create_model("resnet50", a);
-  m->train();
-  engine::to_channels_last(*m);
+  auto m = channels_last_training_model("resnet50");
   const auto in = torch::randn({1, 3, 224, 224}).contiguous(cl);
   // the features alone (no classifier's addmm): a GEMM among them is a 1x1 convolution's
   const auto names = ops_called([&] { m->forward_features(in).sum().backward(); });
@@ -2444,11 +2454,7 @@ TEST_CASE("Dense 3x3 convolutions in training: the weight gradient as GEMMs over
                                         1, 1, 1, 1));  // 32 channels in
   CHECK_FALSE(ops::dense_conv_supported(x, torch::randn({64, 64, 5, 5}).contiguous(cl), 1, 2, 1, 1));
   // in a model: a ResNet's training step takes it for its 3x3 convolutions; evaluation does not
-  ModelArgs a;
-  a.num_classes = 10;
-  auto m = model_zoo::create_model("resnet18", a);
-  m->train();
-  engine::to_channels_last(*m);
+  auto m = channels_last_training_model("resnet18");
   const auto in = torch::randn({2, 3, 64, 64}).contiguous(cl);
   const auto took = [&](const std::set<std::string>& names) {
     return std::any_of(names.begin(), names.end(),
