@@ -12,6 +12,7 @@
 #include <torch/autograd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <vector>
 
@@ -343,8 +344,15 @@ struct DenseConvFunction : torch::autograd::Function<DenseConvFunction> {
 
 }  // namespace
 
+namespace {
+std::atomic<bool> dense_conv_on{true};
+}  // namespace
+
+void set_dense_conv_enabled(bool on) { dense_conv_on.store(on, std::memory_order_relaxed); }
+
 bool dense_conv_supported(const at::Tensor& x, const at::Tensor& w, int64_t stride, int64_t padding,
                           int64_t dilation, int64_t groups) {
+  if (!dense_conv_on.load(std::memory_order_relaxed)) return false;
   if (!x.defined() || !w.defined() || x.dim() != 4 || w.dim() != 4 || !x.device().is_cpu() || !w.device().is_cpu())
     return false;
   if (x.scalar_type() != at::kFloat || w.scalar_type() != at::kFloat || groups != 1 || dilation != 1) return false;

@@ -40,7 +40,10 @@ std::pair<at::Tensor, at::Tensor> depthwise_conv_weight_grad(const at::Tensor& x
 constexpr int64_t kDenseWgradMinChannels = 64;
 constexpr int64_t kDenseWinogradMaxChannels = 256;
 // Whether dense_conv_train takes it: x float32 channels-last on the CPU, w [Co, Ci, 3, 3] float32,
-// stride 1 or 2, padding 1, dilation 1, one group, Ci and Co at least kDenseWgradMinChannels.
+// stride 1 or 2, padding 1, dilation 1, one group, Ci and Co at least kDenseWgradMinChannels, and
+// the path on (set_dense_conv_enabled: on by default; the tests turn it off to compare a model's
+// step with ATen's convolutions in the same memory format).
+void set_dense_conv_enabled(bool on);
 bool dense_conv_supported(const at::Tensor& x, const at::Tensor& w, int64_t stride, int64_t padding,
                           int64_t dilation, int64_t groups);
 // conv2d(x, w, bias, stride, padding) with the weight gradient above; bias may be undefined.

@@ -79,7 +79,7 @@ struct ConvNormActImpl : torch::nn::Module {
     if (with_bn) bn = register_module("1", imgtrain::BatchNorm2d(out));
   }
   at::Tensor forward(const at::Tensor& x) {
-    auto y = conv(x);
+    auto y = model_zoo::conv_module_forward(*conv, x);  // the zoo's training paths (the dense 3x3 one)
     if (bn) y = bn(y);
     return relu ? y.relu_() : y;
   }

@@ -238,6 +238,18 @@ bool fusable(const torch::nn::Conv2dImpl& conv, const imgtrain::BatchNorm2dImpl&
 
 std::vector<int64_t> vec(const torch::ExpandingArray<2>& a) { return {a->at(0), a->at(1)}; }
 
+// A dense 3x3 convolution in training with autograd through imgtrain's path (ops::dense_conv_train:
+// the weight gradient as GEMMs, Winograd at stride 1), where it applies and the weight (the
+// module's, or one folded from it) takes a gradient; else undefined.
+at::Tensor dense_train(const at::Tensor& in, const at::Tensor& w, const at::Tensor& b, const std::vector<int64_t>& stride,
+                       const std::vector<int64_t>& padding, const std::vector<int64_t>& dilation, int64_t groups) {
+  if (!at::GradMode::is_enabled() || !w.requires_grad() || at::autocast::is_autocast_enabled(at::kCPU) ||
+      stride[0] != stride[1] || padding[0] != padding[1] || dilation[0] != dilation[1] ||
+      !ops::dense_conv_supported(in, w, stride[0], padding[0], dilation[0], groups))
+    return {};
+  return ops::dense_conv_train(in, w, b, stride[0], padding[0]);
+}
+
 // The module's convolution: in training a GEMM (pointwise_gemm), else trimmed (trimmed_conv2d),
 // imgtrain's depthwise training path (depthwise_train) or, in training, the dense one
 // (ops::dense_conv_train), where one applies.
@@ -254,18 +266,18 @@ at::Tensor conv_forward(torch::nn::Conv2dImpl& conv, ConvImpl* zconv, const at::
     auto y = trimmed_conv2d(in, conv.weight, conv.bias, stride, padding, vec(o.dilation()), o.groups());
     if (y.defined()) return y;
     if (auto d = depthwise_train(conv, in); d.defined()) return d;
-    // a dense 3x3 convolution's weight gradient by imgtrain's GEMMs (ops/depthwise.h)
-    const auto dilation = vec(o.dilation());
-    if (conv.is_training() && at::GradMode::is_enabled() && conv.weight.requires_grad() &&
-        !at::autocast::is_autocast_enabled(at::kCPU) && stride[0] == stride[1] && padding[0] == padding[1] &&
-        dilation[0] == dilation[1] &&
-        ops::dense_conv_supported(in, conv.weight, stride[0], padding[0], dilation[0], o.groups()))
-      return ops::dense_conv_train(in, conv.weight, conv.bias, stride[0], padding[0]);
+    if (conv.is_training())
+      if (auto d = dense_train(in, conv.weight, conv.bias, stride, padding, vec(o.dilation()), o.groups()); d.defined())
+        return d;
   }
   return zconv ? zconv->forward(x) : conv.forward(x);
 }
 
 }  // namespace
+
+at::Tensor conv_module_forward(torch::nn::Conv2dImpl& conv, const at::Tensor& x) {
+  return conv_forward(conv, dynamic_cast<ConvImpl*>(&conv), x);
+}
 
 at::Tensor depthwise_train(torch::nn::Conv2dImpl& conv, const at::Tensor& x) {
   const auto& o = conv.options;
@@ -335,6 +347,7 @@ at::Tensor frozen_folded(torch::nn::Conv2dImpl& conv, imgtrain::BatchNorm2dImpl&
   const auto stride = vec(o.stride()), padding = vec(std::get<torch::ExpandingArray<2>>(o.padding())),
              dilation = vec(o.dilation());
   auto y = trimmed_conv2d(input, w, b, stride, padding, dilation, o.groups());
+  if (!y.defined() && conv.is_training()) y = dense_train(input, w, b, stride, padding, dilation, o.groups());
   if (!y.defined()) y = at::conv2d(input, w, b, stride, padding, dilation, o.groups());
   if (residual.defined()) y.add_(residual);
   return apply_act(y, act, true);

@@ -72,6 +72,12 @@ constexpr int64_t kPointwiseGemmMaxPixels = 196;
 at::Tensor pointwise_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, at::IntArrayRef stride,
                           at::IntArrayRef padding, int64_t groups);
 
+// The module's forward as the zoo's blocks run it: in training through imgtrain's paths where one
+// applies (pointwise_gemm, trimmed_conv2d, depthwise_train, the dense 3x3 path of
+// ops::dense_conv_train), else the module's own forward. For layers outside the zoo's blocks
+// (detection's FPN and heads).
+at::Tensor conv_module_forward(torch::nn::Conv2dImpl& conv, const at::Tensor& x);
+
 // A depthwise 5x5 or 7x7 convolution (zero padding, square stride and padding) in training with
 // autograd, through imgtrain's weight gradient (ops::depthwise_conv_train: ATen's took 4-20x longer
 // at EfficientNet's and ConvNeXt's shapes on the CPU; at 3x3 the two are level, so ATen's stays).

@@ -23,6 +23,7 @@
 #include "core/rng.h"
 #include "tasks/classification/classification.h"
 #include "test_util.h"
+#include "op_trace.h"
 
 #include <catch2/catch.hpp>
 #include <ATen/record_function.h>
@@ -606,28 +607,8 @@ bool same_bits(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& 
   return true;
 }
 
-// How many times `f` calls each op on this thread (RecordFunction).
-thread_local std::map<std::string, int>* g_op_counts = nullptr;
-std::map<std::string, int> op_counts(const std::function<void()>& f) {
-  std::map<std::string, int> counts;
-  g_op_counts = &counts;
-  auto handle = at::addThreadLocalCallback(at::RecordFunctionCallback(
-      [](const at::RecordFunction& r) -> std::unique_ptr<at::ObserverContext> {
-        if (g_op_counts) ++(*g_op_counts)[r.name()];
-        return nullptr;
-      }));
-  f();
-  at::removeCallback(handle);
-  g_op_counts = nullptr;
-  return counts;
-}
-
-// The names of the ops `f` calls on this thread, to see which kernel ran.
-std::set<std::string> ops_called(const std::function<void()>& f) {
-  std::set<std::string> names;
-  for (const auto& [name, n] : op_counts(f)) names.insert(name);
-  return names;
-}
+using test::op_counts;
+using test::ops_called;
 
 void fused_optimizers_agree(torch::Device dev, double tolerance_sgd) {
   for (double momentum : {0.9, 0.0})
@@ -2456,10 +2437,7 @@ TEST_CASE("Dense 3x3 convolutions in training: the weight gradient as GEMMs over
   // in a model: a ResNet's training step takes it for its 3x3 convolutions; evaluation does not
   auto m = channels_last_training_model("resnet18");
   const auto in = torch::randn({2, 3, 64, 64}).contiguous(cl);
-  const auto took = [&](const std::set<std::string>& names) {
-    return std::any_of(names.begin(), names.end(),
-                       [](const std::string& n) { return n.find("DenseConvFunction") != std::string::npos; });
-  };
+  const auto took = [](const std::set<std::string>& names) { return test::any_contains(names, "DenseConvFunction"); };
   const auto names = ops_called([&] { m->forward_features(in).sum().backward(); });
   CHECK(took(names));
   CHECK(names.count("imgtrain::winograd_conv3x3"));  // its 64- to 256-channel stages
