@@ -199,9 +199,13 @@ void train_channels_last(const std::string& arch) {
   };
   std::set<std::string> ops, plain_ops;
   const auto ref = step(at::kDouble, false, nullptr), cl = step(at::kFloat, true, &ops);
-  ops::set_dense_conv_enabled(false);
-  const auto plain = step(at::kFloat, true, &plain_ops);
-  ops::set_dense_conv_enabled(true);
+  const auto plain = [&] {
+    struct PathOff {  // on again however the step ends, for the tests after this one
+      PathOff() { ops::set_dense_conv_enabled(false); }
+      ~PathOff() { ops::set_dense_conv_enabled(true); }
+    } off;
+    return step(at::kFloat, true, &plain_ops);
+  }();
   CHECK(test::any_contains(ops, "DenseConvFunction"));
   CHECK(ops.count("imgtrain::winograd_conv3x3"));
   CHECK_FALSE(test::any_contains(plain_ops, "DenseConvFunction"));
