@@ -9,19 +9,27 @@
 
 namespace test {
 
-// How many times `f` calls each op on this thread.
+// How many times `f` calls each op on this thread. The callback goes away however f ends (a
+// failed REQUIRE throws), so it never writes into a finished call's map.
 inline std::map<std::string, int> op_counts(const std::function<void()>& f) {
   static thread_local std::map<std::string, int>* counts_now = nullptr;
   std::map<std::string, int> counts;
-  counts_now = &counts;
-  auto handle = at::addThreadLocalCallback(at::RecordFunctionCallback(
-      [](const at::RecordFunction& r) -> std::unique_ptr<at::ObserverContext> {
-        if (counts_now) ++(*counts_now)[r.name()];
-        return nullptr;
-      }));
+  struct Tracing {
+    at::CallbackHandle handle;
+    explicit Tracing(std::map<std::string, int>* c) {
+      counts_now = c;
+      handle = at::addThreadLocalCallback(at::RecordFunctionCallback(
+          [](const at::RecordFunction& r) -> std::unique_ptr<at::ObserverContext> {
+            if (counts_now) ++(*counts_now)[r.name()];
+            return nullptr;
+          }));
+    }
+    ~Tracing() {
+      at::removeCallback(handle);
+      counts_now = nullptr;
+    }
+  } tracing(&counts);
   f();
-  at::removeCallback(handle);
-  counts_now = nullptr;
   return counts;
 }
 
