@@ -81,7 +81,8 @@ bool cpu_training_fused(const std::string& name) {
 std::string cpu_training_fused_kernels(const std::string& name) {
   const auto* e = find_model(name);
   if (!e) return "";
-  return e->cpu_training_nhwc_fused ? "BatchNorm fused with the residual add and activation" : e->cpu_training_fused;
+  if (!e->cpu_training_fused.empty()) return e->cpu_training_fused;
+  return e->cpu_training_nhwc_fused ? "BatchNorm fused with the residual add and activation" : "";
 }
 
 int64_t count_params(const torch::nn::Module& m) {

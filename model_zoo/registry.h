@@ -26,7 +26,8 @@ struct ModelEntry {
   bool cpu_training_nhwc_fused = false;
   // Training on the CPU in float32 defaults to the fused kernels (--fuse-bn) in the layout given,
   // named here for the log: ConvNeXt's MLP on tiles, ViT's attention (measured faster; their NCHW
-  // default stays). Empty: none.
+  // default stays). Empty: none. With cpu_training_nhwc_fused, the log's name for its kernels
+  // where they are not the classifiers' BatchNorm + residual + activation alone (the detectors').
   std::string cpu_training_fused;
 };
 

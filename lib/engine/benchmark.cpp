@@ -349,6 +349,21 @@ int benchmark_data(const cli::Config& cfg) {
 // inference: BatchNorm folded into the convolutions unless --fuse-bn=false; training: the fused
 // kernels (and frozen BatchNorms folded) with --fuse-bn, and by default where `train` says so
 // (train's own per-family default). Recorded as <prefix>_fuse_bn.
+// Each step's layout: training takes train's per-family default on the CPU (channels-last with the
+// fused kernels) unless the flags say; inference NCHW unless --channels-last (measured neutral
+// there for the classifiers, docs/performance.md). Logs the choice after "Benchmarking <what>".
+std::function<bool(bool)> bench_layouts(const cli::Config& cfg, torch::Device device, const Amp& amp,
+                                        const std::string& what) {
+  const bool nhwc_fused = nhwc_fused_training_default(cfg.model, device, amp);
+  auto nhwc = [nhwc_fused, &cfg](bool train) { return train ? cfg.channels_last_on(nhwc_fused) : cfg.channels_last; };
+  log::info("Benchmarking {}in {} precision. {} layout.", what, precision_name(amp),
+            nhwc(cfg.bench == "train") ? "NHWC" : "NCHW");
+  if (cfg.bench == "both" && nhwc(true) != nhwc(false))
+    log::info("The training step in {} layout (this family's CPU default; --channels-last [=false] chooses).",
+              nhwc(true) ? "NHWC" : "NCHW");
+  return nhwc;
+}
+
 void set_fusion(torch::nn::Module& model, const cli::Config& cfg, const Amp& amp, bool train,
                 nlohmann::ordered_json& results, bool train_default = false) {
   const bool fuse = cfg.fuse_bn_on(train ? train_default : !amp.enabled);
@@ -407,9 +422,7 @@ int benchmark_detection(const cli::Config& cfg, torch::Device device) {
     targets.push_back({t.boxes.to(device), t.labels.to(device), masks ? t.masks.to(device) : at::Tensor()});
   }
   batch.tensors = batch.tensors.to(device);
-  if (cfg.channels_last) batch.tensors = batch.tensors.contiguous(at::MemoryFormat::ChannelsLast);
-  log::info("Benchmarking {} in {} precision. {} layout.", cfg.model, precision_name(amp),
-            cfg.channels_last ? "NHWC" : "NCHW");
+  const auto nhwc = bench_layouts(cfg, device, amp, cfg.model + " ");
   nlohmann::ordered_json results;
   results["model"] = cfg.model;
   int64_t params = 0;
@@ -425,9 +438,14 @@ int benchmark_detection(const cli::Config& cfg, torch::Device device) {
     }
     params = model_zoo::count_params(*model);
     model->to(device);
-    if (cfg.channels_last) to_channels_last(*model);
+    det::ImageBatch in = batch;
+    if (nhwc(train)) {
+      to_channels_last(*model);
+      in.tensors = in.tensors.contiguous(at::MemoryFormat::ChannelsLast);
+    }
     model->train(train);
-    set_fusion(*model, cfg, amp, train, results);
+    set_fusion(*model, cfg, amp, train, results, fused_training_default(cfg.model, device, amp));
+    results[train ? "train_channels_last" : "infer_channels_last"] = nhwc(train);
     auto opt = train ? bench_optimizer(*model, cfg) : nullptr;
     log::info("Running {} benchmark on {} for {} steps w/ input size (3, {}, {}) and batch size {}.",
               train ? "train" : "inference", cfg.model, cfg.num_bench_iter, img, img, b);
@@ -439,7 +457,7 @@ int benchmark_detection(const cli::Config& cfg, torch::Device device) {
         {
           RECORD_USER_SCOPE("imgtrain::forward");
           AutocastScope ac(amp.enabled, device.type(), amp.dtype);
-          auto res = model->forward(batch, &targets);
+          auto res = model->forward(in, &targets);
           for (auto& [k, v] : res.losses) loss = loss.defined() ? loss + v : v;
         }
         {
@@ -452,7 +470,7 @@ int benchmark_detection(const cli::Config& cfg, torch::Device device) {
         torch::NoGradGuard ng;
         RECORD_USER_SCOPE("imgtrain::forward");
         AutocastScope ac(amp.enabled, device.type(), amp.dtype);
-        auto res = model->forward(batch);
+        auto res = model->forward(in);
         for (auto& d : res.detections) detections += d.boxes.size(0);
         ++infer_images_seen;
       }
@@ -509,15 +527,7 @@ int benchmark(const cli::Config& cfg) {
   margs.img_size = img;
   margs.global_pool = cfg.gp;
   const int64_t b = cfg.batch_size;
-  // training: train's per-family default on the CPU (channels-last and fused BatchNorm) unless the
-  // flags say; inference: NCHW unless --channels-last (measured neutral there, docs/performance.md)
-  const bool nhwc_fused = nhwc_fused_training_default(cfg.model, device, amp);
-  auto nhwc = [&](bool train) { return train ? cfg.channels_last_on(nhwc_fused) : cfg.channels_last; };
-  log::info("Benchmarking in {} precision. {} layout.", precision_name(amp),
-            nhwc(cfg.bench == "train") ? "NHWC" : "NCHW");
-  if (cfg.bench == "both" && nhwc(true) != nhwc(false))
-    log::info("The training step in {} layout (this family's CPU default; --channels-last [=false] chooses).",
-              nhwc(true) ? "NHWC" : "NCHW");
+  const auto nhwc = bench_layouts(cfg, device, amp, "");
 
   nlohmann::ordered_json results;
   results["model"] = cfg.model;

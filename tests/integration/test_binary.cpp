@@ -450,6 +450,12 @@ TEST_CASE("benchmark prints timm's fields and writes the results file", "[integr
   CHECK(dj["train_img_size"] == 96);
   CHECK(dj["infer_samples_per_sec"].get<double>() > 0);
   CHECK(dj["train_samples_per_sec"].get<double>() > 0);
+  // a detector trains on the CPU in float32 in channels-last with the fused kernels by default (as
+  // train does); its inference keeps NCHW with the BatchNorm folded
+  CHECK(dj["train_channels_last"] == true);
+  CHECK(dj["train_fuse_bn"] == true);
+  CHECK(dj["infer_channels_last"] == false);
+  CHECK(dj["infer_fuse_bn"] == true);
 }
 
 TEST_CASE("a ViT trains at a custom image size, and a size off the patch grid is refused", "[integration]") {
@@ -1378,6 +1384,9 @@ TEST_CASE("Mask R-CNN trains on COCO data, logs its losses, resumes exactly and 
   REQUIRE(r.code == 0);
   CHECK_THAT(r.output, Catch::Contains("loss_classifier: ") && Catch::Contains("loss_mask: ") &&
                            Catch::Contains("loss_rpn_box_reg: ") && Catch::Contains("Final bbox_AP: "));
+  // the CPU float32 default of a detector: channels-last, BatchNorm fused (the flags not given)
+  CHECK_THAT(r.output, Catch::Contains("Training layout channels-last (NHWC), BatchNorm fused with the residual add "
+                                       "and activation, frozen BatchNorm folded: maskrcnn_resnet18_fpn default"));
   const std::string run = out / "straight";
   auto rows = test::read_csv(run + "/summary.csv");
   REQUIRE(rows.size() == 3);
