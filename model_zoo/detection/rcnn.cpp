@@ -1022,8 +1022,8 @@ void register_detection(Registry<ModelEntry>& r) {
     e.defaults.first_conv = a.mobilenet() ? "backbone.body.0.0" : "backbone.body.conv1";
     e.defaults.classifier = "roi_heads.box_predictor";
     // channels-last with the fused kernels when training on the CPU in float32: measured faster for
-    // fine-tuning (frozen body, 1.36x), from scratch (1.39x), the MobileNetV3 FPN (1.11x) and the
-    // narrow CPU recipe (1.14x) (docs/performance.md, "CPU training defaults per family")
+    // fine-tuning (frozen body, 1.36x), from scratch (1.42x), the MobileNetV3 FPN (1.10x) and the
+    // narrow CPU recipe (1.27x) (docs/performance.md, "Detectors train channels-last by default")
     e.cpu_training_nhwc_fused = true;
     e.cpu_training_fused = "BatchNorm fused with the residual add and activation, frozen BatchNorm folded";
     const std::string name = a.name;
