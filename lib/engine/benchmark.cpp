@@ -342,13 +342,6 @@ int benchmark_data(const cli::Config& cfg) {
   return 0;
 }
 
-// A detector: what GeneralizedRCNN runs after its transform (backbone, RPN, RoI heads), on a
-// batch of synthetic normalised --img-size images (512 unless given; torchvision's references have
-// no benchmark, bench/torchvision_detection.py times the same calls) with 4 random boxes (and
-// masks) per image; train: the loss dict summed, backward and an SGD step (lr 1e-4).
-// inference: BatchNorm folded into the convolutions unless --fuse-bn=false; training: the fused
-// kernels (and frozen BatchNorms folded) with --fuse-bn, and by default where `train` says so
-// (train's own per-family default). Recorded as <prefix>_fuse_bn.
 // Each step's layout: training takes train's per-family default on the CPU (channels-last with the
 // fused kernels) unless the flags say; inference NCHW unless --channels-last (measured neutral
 // there for the classifiers, docs/performance.md). Logs the choice after "Benchmarking <what>".
@@ -364,6 +357,9 @@ std::function<bool(bool)> bench_layouts(const cli::Config& cfg, torch::Device de
   return nhwc;
 }
 
+// inference: BatchNorm folded into the convolutions unless --fuse-bn=false; training: the fused
+// kernels (and frozen BatchNorms folded) with --fuse-bn, and by default where `train` says so
+// (train's own per-family default). Recorded as <prefix>_fuse_bn.
 void set_fusion(torch::nn::Module& model, const cli::Config& cfg, const Amp& amp, bool train,
                 nlohmann::ordered_json& results, bool train_default = false) {
   const bool fuse = cfg.fuse_bn_on(train ? train_default : !amp.enabled);
@@ -372,6 +368,10 @@ void set_fusion(torch::nn::Module& model, const cli::Config& cfg, const Amp& amp
   results[train ? "train_fuse_bn" : "infer_fuse_bn"] = fuse;
 }
 
+// A detector: what GeneralizedRCNN runs after its transform (backbone, RPN, RoI heads), on a
+// batch of synthetic normalised --img-size images (512 unless given; torchvision's references have
+// no benchmark, bench/torchvision_detection.py times the same calls) with 4 random boxes (and
+// masks) per image; train: the loss dict summed, backward and an SGD step (lr 1e-4).
 int benchmark_detection(const cli::Config& cfg, torch::Device device) {
   namespace det = model_zoo::detection;
   if (cfg.nproc_per_node > 0 || std::getenv("WORLD_SIZE"))
