@@ -1,15 +1,26 @@
-// 3x3 convolutions with stride 1 and padding 1 by Winograd's minimal filtering F(2x2, 3x3), for
-// inference on the CPU (and in training, the forward and input gradient of ops::dense_conv_train): each 2x2 block of outputs from a 4x4 input patch with 16 multiplications a
-// channel pair where the direct convolution needs 36, so 2.25x fewer multiply-adds; the transforms
-// are additions and halvings (float rounding of the same order as the direct sum's, no division).
+// 3x3 convolutions with stride 1 and padding 1 by Winograd's minimal filtering, for inference on
+// the CPU (and in training, F(2x2, 3x3) only: the forward and input gradient of
+// ops::dense_conv_train; F(4x4, 3x3)'s forward moved a Mask R-CNN's gradients by up to 15x ATen's
+// float32 error where BatchNorm trained on two images amplified it, tests/parity/test_rcnn.cpp). F(2x2, 3x3):
+// each 2x2 block of outputs from a 4x4 input patch with 16 multiplications a channel pair where the
+// direct convolution needs 36 (2.25x fewer); the transforms are additions and halvings (float
+// rounding of the same order as the direct sum's). F(4x4, 3x3): 4x4 outputs from a 6x6 patch with
+// 36 multiplications where the direct convolution needs 144 (4x fewer); its transforms' larger
+// coefficients give about twice oneDNN's rounding error (bench/winograd_parts.cpp).
 #pragma once
 #include <ATen/core/Tensor.h>
 
 namespace imgtrain::ops {
 
-// The transformed filters of a weight [K, C, 3, 3]: U [16, C, K] float32, U[4i+j] = (G g G^T)[i][j]
-// (computed in float64, rounded once).
-at::Tensor winograd_pack_3x3(const at::Tensor& weight);
+// The transformed filters of a weight [K, C, 3, 3] for output tiles of tile x tile (2: F(2x2, 3x3),
+// 4: F(4x4, 3x3), 36 multiplications for 16 outputs): U [(tile + 2)^2, C, K] float32,
+// U[(tile + 2)i + j] = (G g G^T)[i][j] (computed in float64, rounded once).
+at::Tensor winograd_pack_3x3(const at::Tensor& weight, int tile = 2);
+
+// The output tile (2 or 4) for a convolution of N maps H x W from C to K channels on the CPU: 4 where
+// its tiles waste little of the map, each thread gets at least 16 of them and the filters
+// (36 C K floats) stay within 9.4 MB of cache (bench/winograd_parts.cpp); 2 elsewhere.
+int winograd_tile(int64_t N, int64_t H, int64_t W, int64_t C, int64_t K);
 
 // The same in float32 sums (halves: rounding of the same order), for training, which packs every
 // step: U [16, C, K] of a float32 CPU weight [K, C, 3, 3]; with input_grad, the filters of the
@@ -18,7 +29,7 @@ at::Tensor winograd_pack_3x3(const at::Tensor& weight);
 at::Tensor winograd_pack_3x3_train(const at::Tensor& weight, bool input_grad);
 
 // Whether winograd_conv3x3 takes x with the filters U and the residual (undefined for none): x a
-// float32 CPU [N, C, H, W] in channels-last memory, U [16, C, K] float32 contiguous, the residual
+// float32 CPU [N, C, H, W] in channels-last memory, U [16 or 36, C, K] float32 contiguous, the residual
 // [N, K, H, W] float32 channels-last.
 bool winograd_conv3x3_supported(const at::Tensor& x, const at::Tensor& U, const at::Tensor& residual = {});
 

@@ -353,7 +353,7 @@ at::Tensor frozen_folded(torch::nn::Conv2dImpl& conv, imgtrain::BatchNorm2dImpl&
   return apply_act(y, act, true);
 }
 
-// Whether conv_bn_act's inference runs this convolution by Winograd's F(2x2, 3x3) (ops/winograd.h)
+// Whether conv_bn_act's inference runs this convolution by Winograd's F(2x2, 3x3) or F(4x4, 3x3) (ops/winograd.h)
 // on channels-last float32 inputs: 3x3, stride 1, padding 1, no dilation or groups, and at least 32
 // channels in and out (at 16 oneDNN's direct convolution was faster: bench/winograd_parts.cpp)
 bool winograd_shape(const torch::nn::Conv2dImpl& conv, const ConvImpl* zconv, const std::vector<int64_t>& padding,
@@ -391,7 +391,10 @@ at::Tensor conv_bn_act(torch::nn::Conv2dImpl& conv, imgtrain::BatchNorm2dImpl& b
     if (bn.bias.defined()) shift = shift + bn.bias;
     if (conv.bias.defined()) shift = shift + conv.bias * scale;
     auto w = (conv.weight * scale.reshape({-1, 1, 1, 1})).contiguous(conv.weight.suggest_memory_format());
-    if (onednn && winograd_shape(conv, zconv, padding, stride, dilation)) bn.winograd_weight = ops::winograd_pack_3x3(w);
+    // F(4x4, 3x3) or F(2x2, 3x3) chosen for the first input's shape (other shapes still work)
+    if (onednn && winograd_shape(conv, zconv, padding, stride, dilation) && input.dim() == 4)
+      bn.winograd_weight = ops::winograd_pack_3x3(
+          w, ops::winograd_tile(input.size(0), input.size(2), input.size(3), w.size(1), w.size(0)));
     // oneDNN's own weight layout for this convolution, made once (for the first input's shape;
     // other shapes still work) instead of on every call: +10-45% on EfficientNet-B0 and
     // MobileNetV3 at batch 8 against dense weights (docs/performance.md)
