@@ -206,20 +206,48 @@ IMGTRAIN_CLONES void pack_train(const float* w, float* U, int64_t plane, int64_t
   }
 }
 
+// The same for F(4x4, 3x3)'s G (U[6i+j][n]): float32 products and sums (rounded at every step, where
+// winograd_pack_3x3 rounds once)
+IMGTRAIN_CLONES void pack_train4(const float* w, float* U, int64_t plane, int64_t n0, int64_t n1) {
+  constexpr float G[6][3] = {{1, 0, 0},
+                             {1.0f / 3, 1.0f / 3, 1.0f / 3},
+                             {-1.0f / 3, 1.0f / 3, -1.0f / 3},
+                             {-16.0f / 15, -8.0f / 15, -4.0f / 15},
+                             {1.0f / 15, -2.0f / 15, 4.0f / 15},
+                             {0, 0, 1}};
+  for (int64_t n = n0; n < n1; ++n) {
+    float g[3][3];
+    for (int a = 0; a < 3; ++a)
+      for (int b = 0; b < 3; ++b) g[a][b] = w[(3 * a + b) * plane + n];
+    float t[6][3];  // G g
+    for (int i = 0; i < 6; ++i)
+      for (int b = 0; b < 3; ++b) t[i][b] = G[i][0] * g[0][b] + G[i][1] * g[1][b] + G[i][2] * g[2][b];
+    for (int i = 0; i < 6; ++i)  // (G g) G^T
+      for (int j = 0; j < 6; ++j) U[(6 * i + j) * plane + n] = t[i][0] * G[j][0] + t[i][1] * G[j][1] + t[i][2] * G[j][2];
+  }
+}
+
 }  // namespace
 
-at::Tensor winograd_pack_3x3_train(const at::Tensor& weight, bool input_grad) {
+at::Tensor winograd_pack_3x3_train(const at::Tensor& weight, bool input_grad, int tile) {
   TORCH_CHECK(weight.dim() == 4 && weight.size(2) == 3 && weight.size(3) == 3 && weight.scalar_type() == at::kFloat &&
                   weight.device().is_cpu(),
               "winograd_pack_3x3_train: float32 CPU weight [K, C, 3, 3]");
-  const int64_t K = weight.size(0), C = weight.size(1);
+  TORCH_CHECK(tile == 2 || (tile == 4 && !input_grad),
+              "winograd_pack_3x3_train: output tiles of 2x2, or 4x4 for the forward's filters");
+  const int64_t K = weight.size(0), C = weight.size(1), AA = (tile + 2) * (tile + 2);
   // [3, 3, C, K] (or [3, 3, K, C] for the input gradient's filters): each tap a plane in U's order
   const auto taps = (input_grad ? weight.permute({2, 3, 0, 1}) : weight.permute({2, 3, 1, 0})).contiguous();
   const int64_t plane = C * K;
-  auto U = input_grad ? at::empty({16, K, C}, taps.options()) : at::empty({16, C, K}, taps.options());
+  auto U = input_grad ? at::empty({16, K, C}, taps.options()) : at::empty({AA, C, K}, taps.options());
   const float* w = taps.const_data_ptr<float>();
   float* u = U.mutable_data_ptr<float>();
-  at::parallel_for(0, plane, 4096, [&](int64_t n0, int64_t n1) { pack_train(w, u, plane, n0, n1, input_grad); });
+  at::parallel_for(0, plane, 4096, [&](int64_t n0, int64_t n1) {
+    if (tile == 2)
+      pack_train(w, u, plane, n0, n1, input_grad);
+    else
+      pack_train4(w, u, plane, n0, n1);
+  });
   return U;
 }
 

@@ -26,7 +26,9 @@ int winograd_tile(int64_t N, int64_t H, int64_t W, int64_t C, int64_t K);
 // step: U [16, C, K] of a float32 CPU weight [K, C, 3, 3]; with input_grad, the filters of the
 // input gradient of conv2d(x, weight, stride 1, padding 1), weight transposed to [C, K] and each
 // 3x3 rotated by 180 degrees: U [16, K, C], so that winograd_conv3x3(gy, U, zeros) is that gradient.
-at::Tensor winograd_pack_3x3_train(const at::Tensor& weight, bool input_grad);
+// tile 4 (the forward's filters only): F(4x4, 3x3)'s U [36, C, K], for inference's convolutions
+// that pack on every call (model_zoo's dense_infer: weights that may change between calls).
+at::Tensor winograd_pack_3x3_train(const at::Tensor& weight, bool input_grad, int tile = 2);
 
 // Whether winograd_conv3x3 takes x with the filters U and the residual (undefined for none): x a
 // float32 CPU [N, C, H, W] in channels-last memory, U [16 or 36, C, K] float32 contiguous, the residual

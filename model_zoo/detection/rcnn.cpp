@@ -69,7 +69,9 @@ const Arch& find_arch(const std::string& name) {
 
 // torchvision's Conv2dNormActivation: conv (bias only without a norm) as "0", optional BatchNorm
 // as "1", ReLU. (A module rather than a nested Sequential, which LibTorch's AnyModule cannot hold.)
-struct ConvNormActImpl : torch::nn::Module {
+// With inference fusion on (set_inference_fusion: benchmark, validate --fuse-bn), its 3x3
+// convolutions run by Winograd in inference (model_zoo::conv_module_forward).
+struct ConvNormActImpl : torch::nn::Module, imgtrain::InferenceFusion {
   Conv2d conv{nullptr};
   imgtrain::BatchNorm2d bn{nullptr};
   bool relu;
@@ -79,7 +81,7 @@ struct ConvNormActImpl : torch::nn::Module {
     if (with_bn) bn = register_module("1", imgtrain::BatchNorm2d(out));
   }
   at::Tensor forward(const at::Tensor& x) {
-    auto y = model_zoo::conv_module_forward(*conv, x);  // the zoo's training paths (the dense 3x3 one)
+    auto y = model_zoo::conv_module_forward(*conv, x, fuse_infer);  // the zoo's paths (the dense 3x3 one)
     if (bn) y = bn(y);
     return relu ? y.relu_() : y;
   }

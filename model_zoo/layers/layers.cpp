@@ -250,10 +250,28 @@ at::Tensor dense_train(const at::Tensor& in, const at::Tensor& w, const at::Tens
   return ops::dense_conv_train(in, w, b, stride[0], padding[0]);
 }
 
+// A plain 3x3 stride-1 convolution in inference without autograd (a detector's FPN, RPN and mask
+// head: no BatchNorm to fold, so no conv_bn_act) by Winograd (ops/winograd.h) on channels-last
+// float32 maps with at least 32 channels in and out, the filters packed in float32 on each call
+// (the weights may change between calls: evaluation during training); else undefined.
+at::Tensor dense_infer(const at::Tensor& in, const at::Tensor& w, const at::Tensor& b, const std::vector<int64_t>& stride,
+                       const std::vector<int64_t>& padding, const std::vector<int64_t>& dilation, int64_t groups) {
+  if (at::GradMode::is_enabled() || at::autocast::is_autocast_enabled(at::kCPU) || groups != 1 || in.dim() != 4 ||
+      w.dim() != 4 || w.size(2) != 3 || w.size(3) != 3 || w.size(0) < 32 || w.size(1) < 32 ||
+      stride != std::vector<int64_t>{1, 1} || padding != std::vector<int64_t>{1, 1} ||
+      dilation != std::vector<int64_t>{1, 1} || w.scalar_type() != at::kFloat || !w.device().is_cpu() ||
+      (b.defined() && (b.scalar_type() != at::kFloat || !b.device().is_cpu())))
+    return {};
+  const int tile = ops::winograd_tile(in.size(0), in.size(2), in.size(3), w.size(1), w.size(0));
+  const auto U = ops::winograd_pack_3x3_train(w, false, tile);
+  if (!ops::winograd_conv3x3_supported(in, U)) return {};
+  return ops::winograd_conv3x3(in, U, b.defined() ? b.contiguous() : at::Tensor(), false);
+}
+
 // The module's convolution: in training a GEMM (pointwise_gemm), else trimmed (trimmed_conv2d),
 // imgtrain's depthwise training path (depthwise_train) or, in training, the dense one
-// (ops::dense_conv_train), where one applies.
-at::Tensor conv_forward(torch::nn::Conv2dImpl& conv, ConvImpl* zconv, const at::Tensor& x) {
+// (ops::dense_conv_train), in inference with infer_kernels Winograd's (dense_infer), where one applies.
+at::Tensor conv_forward(torch::nn::Conv2dImpl& conv, ConvImpl* zconv, const at::Tensor& x, bool infer_kernels = false) {
   const auto& o = conv.options;
   if (std::holds_alternative<torch::ExpandingArray<2>>(o.padding()) &&
       std::holds_alternative<torch::enumtype::kZeros>(o.padding_mode())) {
@@ -266,17 +284,21 @@ at::Tensor conv_forward(torch::nn::Conv2dImpl& conv, ConvImpl* zconv, const at::
     auto y = trimmed_conv2d(in, conv.weight, conv.bias, stride, padding, vec(o.dilation()), o.groups());
     if (y.defined()) return y;
     if (auto d = depthwise_train(conv, in); d.defined()) return d;
-    if (conv.is_training())
+    if (conv.is_training()) {
       if (auto d = dense_train(in, conv.weight, conv.bias, stride, padding, vec(o.dilation()), o.groups()); d.defined())
         return d;
+    } else if (infer_kernels) {
+      if (auto d = dense_infer(in, conv.weight, conv.bias, stride, padding, vec(o.dilation()), o.groups()); d.defined())
+        return d;
+    }
   }
   return zconv ? zconv->forward(x) : conv.forward(x);
 }
 
 }  // namespace
 
-at::Tensor conv_module_forward(torch::nn::Conv2dImpl& conv, const at::Tensor& x) {
-  return conv_forward(conv, dynamic_cast<ConvImpl*>(&conv), x);
+at::Tensor conv_module_forward(torch::nn::Conv2dImpl& conv, const at::Tensor& x, bool infer_kernels) {
+  return conv_forward(conv, dynamic_cast<ConvImpl*>(&conv), x, infer_kernels);
 }
 
 at::Tensor depthwise_train(torch::nn::Conv2dImpl& conv, const at::Tensor& x) {

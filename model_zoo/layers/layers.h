@@ -74,9 +74,11 @@ at::Tensor pointwise_gemm(const at::Tensor& x, const at::Tensor& w, const at::Te
 
 // The module's forward as the zoo's blocks run it: in training through imgtrain's paths where one
 // applies (pointwise_gemm, trimmed_conv2d, depthwise_train, the dense 3x3 path of
-// ops::dense_conv_train), else the module's own forward. For layers outside the zoo's blocks
-// (detection's FPN and heads).
-at::Tensor conv_module_forward(torch::nn::Conv2dImpl& conv, const at::Tensor& x);
+// ops::dense_conv_train), in inference without autograd and with infer_kernels (the caller's
+// inference fusion: set_inference_fusion, --fuse-bn) Winograd's for 3x3 stride-1 convolutions of
+// channels-last float32 maps (ops/winograd.h), else the module's own forward. For layers outside
+// the zoo's blocks (detection's FPN and heads).
+at::Tensor conv_module_forward(torch::nn::Conv2dImpl& conv, const at::Tensor& x, bool infer_kernels = false);
 
 // A depthwise 5x5 or 7x7 convolution (zero padding, square stride and padding) in training with
 // autograd, through imgtrain's weight gradient (ops::depthwise_conv_train: ATen's took 4-20x longer

@@ -2462,6 +2462,66 @@ TEST_CASE("Dense 3x3 convolutions in training: the weight gradient as GEMMs over
   CHECK_FALSE(took(ops_called([&] { m->forward_features(in).sum().backward(); })));
 }
 
+TEST_CASE("Plain 3x3 convolutions in inference run by Winograd on channels-last maps, within its rounding of ATen's",
+          "[models][ops]") {
+  // a detector's FPN, RPN and mask head convolutions (no BatchNorm): model_zoo's conv_module_forward
+  // with inference kernels on takes Winograd's F(4x4, 3x3) or F(2x2, 3x3) in eval mode without
+  // autograd, the filters packed on each call, so that a weight changed between calls is used at once
+  const auto cl = at::MemoryFormat::ChannelsLast;
+  torch::manual_seed(31);
+  torch::nn::Conv2d conv(torch::nn::Conv2dOptions(48, 40, 3).padding(1));
+  conv->eval();
+  for (const auto& [n, hw] : std::vector<std::pair<int64_t, int64_t>>{{2, 32}, {3, 14}, {1, 5}}) {
+    const int tile = ops::winograd_tile(n, hw, hw, 48, 40);
+    INFO("batch " << n << " map " << hw << " tile " << tile);
+    const auto x = torch::randn({n, 48, hw, hw}).contiguous(cl);
+    torch::NoGradGuard ng;
+    at::Tensor y;
+    const auto ran = ops_called([&] { y = model_zoo::conv_module_forward(*conv, x, true); });
+    CHECK(ran.count("imgtrain::winograd_conv3x3"));
+    CHECK_FALSE(ran.count("aten::conv2d"));
+    const auto exact = at::conv2d(x.to(at::kDouble), conv->weight.to(at::kDouble), conv->bias.to(at::kDouble), 1, 1);
+    const auto aten = at::conv2d(x, conv->weight, conv->bias, 1, 1);
+    const double scale = exact.abs().max().item<double>();
+    const double err = (y.to(at::kDouble) - exact).abs().max().item<double>() / scale,
+                 err_aten = (aten.to(at::kDouble) - exact).abs().max().item<double>() / scale;
+    CHECK(err <= (tile == 2 ? std::max(4 * err_aten, 1e-6) : std::max(8 * err_aten, 4e-6)));
+    CHECK(y.is_contiguous(cl));
+    if (hw == 32) {  // a weight changed in place between calls: the next call uses it
+      CHECK(tile == 4);
+      conv->weight.mul_(-2);
+      const auto y2 = model_zoo::conv_module_forward(*conv, x, true);
+      const auto want = at::conv2d(x.to(at::kDouble), conv->weight.to(at::kDouble), conv->bias.to(at::kDouble), 1, 1);
+      CHECK((y2.to(at::kDouble) - want).abs().max().item<double>() <= 8e-6 * want.abs().max().item<double>());
+      conv->weight.div_(-2);
+    }
+  }
+  // not taken: inference kernels off (torch's modules), with autograd recording, NCHW maps, fewer
+  // than 32 channels, stride 2, training mode
+  const auto x = torch::randn({2, 48, 16, 16}).contiguous(cl);
+  auto takes = [&](torch::nn::Conv2dImpl& c, const at::Tensor& in, bool on = true) {
+    return ops_called([&] { model_zoo::conv_module_forward(c, in, on); }).count("imgtrain::winograd_conv3x3") > 0;
+  };
+  {
+    torch::NoGradGuard ng;
+    CHECK(takes(*conv, x));
+    CHECK_FALSE(takes(*conv, x, false));
+    CHECK_FALSE(takes(*conv, x.contiguous()));
+    torch::nn::Conv2d narrow(torch::nn::Conv2dOptions(48, 16, 3).padding(1));
+    narrow->eval();
+    CHECK_FALSE(takes(*narrow, x));
+    torch::nn::Conv2d strided(torch::nn::Conv2dOptions(48, 40, 3).padding(1).stride(2));
+    strided->eval();
+    CHECK_FALSE(takes(*strided, x));
+  }
+  CHECK_FALSE(takes(*conv, x));  // autograd on
+  conv->train();
+  {
+    torch::NoGradGuard ng;
+    CHECK_FALSE(takes(*conv, x));  // training mode, no autograd: ATen's
+  }
+}
+
 TEST_CASE("CUDA: the fused training BatchNorm equals torch's ops on the device and gives the same bits every run",
           "[cuda][ops]") {
   test::skip_unless(torch::cuda::is_available());
