@@ -10,7 +10,6 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <limits>
 
@@ -174,8 +173,8 @@ IMGTRAIN_CLONES void output_transform4(const float* m, int64_t xs, int64_t K, co
                                 [](float* q, float a) { *q = a; });
 }
 
-// Tiles a block: about 64 (products of 64 rows keep MKL near its peak; the block's transformed
-// inputs, 16 x 64 x C floats, stay in L2 up to C = 512), as many blocks for each thread.
+// Tiles a block: about target (products of that many rows keep MKL near its peak; the block's
+// transformed inputs stay in cache), as many blocks for each thread.
 int64_t block_tiles(int64_t tiles, int64_t target) {
   const int64_t threads = at::get_num_threads();
   int64_t blocks = (tiles + target - 1) / target;
@@ -235,18 +234,20 @@ at::Tensor winograd_pack_3x3_train(const at::Tensor& weight, bool input_grad, in
               "winograd_pack_3x3_train: float32 CPU weight [K, C, 3, 3]");
   TORCH_CHECK(tile == 2 || (tile == 4 && !input_grad),
               "winograd_pack_3x3_train: output tiles of 2x2, or 4x4 for the forward's filters");
-  const int64_t K = weight.size(0), C = weight.size(1), AA = (tile + 2) * (tile + 2);
+  const int64_t K = weight.size(0), C = weight.size(1);
   // [3, 3, C, K] (or [3, 3, K, C] for the input gradient's filters): each tap a plane in U's order
   const auto taps = (input_grad ? weight.permute({2, 3, 0, 1}) : weight.permute({2, 3, 1, 0})).contiguous();
   const int64_t plane = C * K;
-  auto U = input_grad ? at::empty({16, K, C}, taps.options()) : at::empty({AA, C, K}, taps.options());
+  auto U = input_grad ? at::empty({16, K, C}, taps.options()) : at::empty({tile == 2 ? 16 : 52, C, K}, taps.options());
   const float* w = taps.const_data_ptr<float>();
   float* u = U.mutable_data_ptr<float>();
   at::parallel_for(0, plane, 4096, [&](int64_t n0, int64_t n1) {
-    if (tile == 2)
-      pack_train(w, u, plane, n0, n1, input_grad);
-    else
+    if (tile == 4) {  // F(4x4)'s 36 planes, then F(2x2)'s 16 for the map's edges
       pack_train4(w, u, plane, n0, n1);
+      pack_train(w, u + 36 * plane, plane, n0, n1, false);
+    } else {
+      pack_train(w, u, plane, n0, n1, input_grad);
+    }
   });
   return U;
 }
@@ -255,11 +256,9 @@ at::Tensor winograd_pack_3x3(const at::Tensor& weight, int tile) {
   TORCH_CHECK(weight.dim() == 4 && weight.size(2) == 3 && weight.size(3) == 3, "winograd_pack_3x3: weight [K, C, 3, 3]");
   TORCH_CHECK(tile == 2 || tile == 4, "winograd_pack_3x3: output tiles of 2x2 or 4x4");
   const int64_t K = weight.size(0), C = weight.size(1);
-  const int A = tile + 2;
   const auto g = weight.detach().to(at::kCPU, at::kDouble).contiguous();
-  auto U = at::empty({A * A, C, K}, weight.options().dtype(at::kFloat).device(at::kCPU));
+  auto U = at::empty({tile == 2 ? 16 : 52, C, K}, weight.options().dtype(at::kFloat).device(at::kCPU));
   const double* gp = g.data_ptr<double>();
-  float* up = U.data_ptr<float>();
   static constexpr double G2[4][3] = {{1, 0, 0}, {0.5, 0.5, 0.5}, {0.5, -0.5, 0.5}, {0, 0, 1}};
   static constexpr double G4[6][3] = {{1, 0, 0},
                                       {1.0 / 3, 1.0 / 3, 1.0 / 3},
@@ -267,25 +266,36 @@ at::Tensor winograd_pack_3x3(const at::Tensor& weight, int tile) {
                                       {-16.0 / 15, -8.0 / 15, -4.0 / 15},
                                       {1.0 / 15, -2.0 / 15, 4.0 / 15},
                                       {0, 0, 1}};
-  const double(*G)[3] = tile == 2 ? G2 : G4;
-  for (int64_t k = 0; k < K; ++k)
-    for (int64_t c = 0; c < C; ++c) {
-      const double* w = gp + (k * C + c) * 9;
-      double t[6][3];  // G g
-      for (int i = 0; i < A; ++i)
-        for (int j = 0; j < 3; ++j) t[i][j] = G[i][0] * w[j] + G[i][1] * w[3 + j] + G[i][2] * w[6 + j];
-      for (int i = 0; i < A; ++i)
-        for (int j = 0; j < A; ++j)
-          up[((A * i + j) * C + c) * K + k] = float(t[i][0] * G[j][0] + t[i][1] * G[j][1] + t[i][2] * G[j][2]);
-    }
+  // U[A i + j] from the first plane of up: (G g G^T)[i][j] for the A x 3 matrix G
+  auto pack = [&](const double(*G)[3], int A, float* up) {
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t c = 0; c < C; ++c) {
+        const double* w = gp + (k * C + c) * 9;
+        double t[6][3];  // G g
+        for (int i = 0; i < A; ++i)
+          for (int j = 0; j < 3; ++j) t[i][j] = G[i][0] * w[j] + G[i][1] * w[3 + j] + G[i][2] * w[6 + j];
+        for (int i = 0; i < A; ++i)
+          for (int j = 0; j < A; ++j)
+            up[((A * i + j) * C + c) * K + k] = float(t[i][0] * G[j][0] + t[i][1] * G[j][1] + t[i][2] * G[j][2]);
+      }
+  };
+  float* up = U.data_ptr<float>();
+  if (tile == 4) {  // F(4x4)'s 36 planes, then F(2x2)'s 16 for the map's edges
+    pack(G4, 6, up);
+    up += 36 * C * K;
+  }
+  pack(G2, 4, up);
   return U;
 }
 
 int winograd_tile(int64_t N, int64_t H, int64_t W, int64_t C, int64_t K) {
-  const int64_t tiles2 = N * ((H + 1) / 2) * ((W + 1) / 2), tiles4 = N * ((H + 3) / 4) * ((W + 3) / 4);
-  // 14 x 14 maps (16 tiles of 4x4 where 49 of 2x2 fit exactly: 0.73) ran as fast either way
-  const bool little_waste = 36 * tiles4 * 10 <= 16 * tiles2 * 7;
-  return little_waste && tiles4 >= 16 * at::get_num_threads() && C * K <= 256 * 256 ? 4 : 2;
+  // multiplications a channel pair: 2x2 tiles over the map, or 4x4 tiles over the part of it they
+  // divide and 2x2 tiles over the rest
+  auto tiles2 = [](int64_t h, int64_t w) { return ((h + 1) / 2) * ((w + 1) / 2); };
+  const int64_t h4 = H / 4 * 4, w4 = W / 4 * 4, tiles4 = N * (h4 / 4) * (w4 / 4);
+  const int64_t cost2 = 16 * tiles2(H, W), cost4 = 36 * (h4 / 4) * (w4 / 4) + 16 * (tiles2(H - h4, W) + tiles2(h4, W - w4));
+  // at most 3/4: 14x14 maps as 3x3 4x4 tiles and 13 2x2 ones, 0.68 of 49 2x2 tiles
+  return 4 * cost4 <= 3 * cost2 && tiles4 >= 16 * at::get_num_threads() && C * K <= 256 * 256 ? 4 : 2;
 }
 
 bool winograd_conv3x3_supported(const at::Tensor& x, const at::Tensor& U, const at::Tensor& residual) {
@@ -293,7 +303,7 @@ bool winograd_conv3x3_supported(const at::Tensor& x, const at::Tensor& U, const 
   if (x.dim() != 4 || x.scalar_type() != at::kFloat || !x.device().is_cpu() || !x.is_contiguous(cl) ||
       x.size(2) == 0 || x.size(3) == 0)
     return false;
-  if (U.dim() != 3 || (U.size(0) != 16 && U.size(0) != 36) || U.size(1) != x.size(1) || !U.is_contiguous() ||
+  if (U.dim() != 3 || (U.size(0) != 16 && U.size(0) != 52) || U.size(1) != x.size(1) || !U.is_contiguous() ||
       U.scalar_type() != at::kFloat || !U.device().is_cpu())
     return false;
   return !residual.defined() ||
@@ -303,17 +313,17 @@ bool winograd_conv3x3_supported(const at::Tensor& x, const at::Tensor& U, const 
 
 namespace {
 // y = the convolution of x by the packed filters U (R x R output tiles: F(R x R, 3x3), A = R + 2) +
-// bias + residual (rp null for none), ReLU'd when relu
+// bias + residual (rp null for none), ReLU'd when relu, over the outputs [y0, y1) x [x0, x1) of
+// every map, in tiles from (y0, x0); the tiles' outputs past y1 or x1 are not written
 template <int R>
 void winograd_run(const at::Tensor& x, const at::Tensor& U, const float* bias_p, bool relu, const float* rp,
-                  at::Tensor& y) {
+                  at::Tensor& y, int64_t y0, int64_t y1, int64_t x0, int64_t x1) {
   constexpr int A = R + 2, AA = A * A;
+  // tiles a block: 32 of 4x4 (48 and 64 measured alike), 64 of 2x2 (32 to 128 alike, 16 and 256 slower)
+  constexpr int64_t target = R == 2 ? 64 : 32;
   const int64_t N = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3), K = U.size(2);
-  const int64_t th = (H + R - 1) / R, tw = (W + R - 1) / R, tiles = N * th * tw;
-  static const int64_t target = [] {
-    const char* e = std::getenv(R == 2 ? "IMGTRAIN_WINO2_T" : "IMGTRAIN_WINO4_T");
-    return e ? std::atoll(e) : int64_t(R == 2 ? 64 : 32);
-  }();
+  const int64_t th = (y1 - y0 + R - 1) / R, tw = (x1 - x0 + R - 1) / R, tiles = N * th * tw;
+  if (tiles == 0) return;
   const int64_t T = block_tiles(tiles, target), blocks = (tiles + T - 1) / T;
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
@@ -325,7 +335,7 @@ void winograd_run(const at::Tensor& x, const at::Tensor& U, const float* bias_p,
     float* V = scratch.data();
     float* M = V + AA * T * C;
     float* zeros = M + AA * T * K;         // zeros: the padding's pixels, the residual past the edge
-    float* sink = zeros + std::max(C, K);  // K floats: outputs past the map's edge
+    float* sink = zeros + std::max(C, K);  // K floats: outputs past the region's edge
     std::fill(zeros, sink, 0.0f);
     const float* bp = bias_p ? bias_p : zeros;  // no bias: K zeros
     for (int64_t blk = b0; blk < b1; ++blk) {
@@ -335,7 +345,7 @@ void winograd_run(const at::Tensor& x, const at::Tensor& U, const float* bias_p,
         const float* p[AA];
         for (int a = 0; a < A; ++a)
           for (int b = 0; b < A; ++b) {
-            const int64_t h = R * ty - 1 + a, w = R * tx - 1 + b;
+            const int64_t h = y0 + R * ty - 1 + a, w = x0 + R * tx - 1 + b;
             p[A * a + b] = (h >= 0 && h < H && w >= 0 && w < W) ? xp + ((n * H + h) * W + w) * C : zeros;
           }
         if constexpr (R == 2)
@@ -352,8 +362,8 @@ void winograd_run(const at::Tensor& x, const at::Tensor& U, const float* bias_p,
         const float* ro[R * R];
         for (int a = 0; a < R; ++a)
           for (int b = 0; b < R; ++b) {
-            const int64_t h = R * ty + a, w = R * tx + b, off = ((n * H + h) * W + w) * K;
-            const bool in = h < H && w < W;
+            const int64_t h = y0 + R * ty + a, w = x0 + R * tx + b, off = ((n * H + h) * W + w) * K;
+            const bool in = h < y1 && w < x1;
             o[R * a + b] = in ? yp + off : sink;
             ro[R * a + b] = in && rp ? rp + off : zeros;
           }
@@ -371,7 +381,7 @@ at::Tensor winograd_conv3x3(const at::Tensor& x, const at::Tensor& U, const at::
                             const at::Tensor& residual, bool into_residual) {
   TORCH_CHECK(winograd_conv3x3_supported(x, U, residual),
               "winograd_conv3x3: x, U and the residual must be float32 on the CPU, x and the residual channels-last, "
-              "U [16 or 36, C, K], the residual [N, K, H, W]");
+              "U [16 or 52, C, K], the residual [N, K, H, W]");
   const int64_t N = x.size(0), H = x.size(2), W = x.size(3), K = U.size(2);
   TORCH_CHECK(!bias.defined() || (bias.numel() == K && bias.is_contiguous() && bias.scalar_type() == at::kFloat),
               "winograd_conv3x3: bias [K] or undefined");
@@ -382,10 +392,15 @@ at::Tensor winograd_conv3x3(const at::Tensor& x, const at::Tensor& U, const at::
   const float* rp = residual.defined() ? residual.data_ptr<float>() : nullptr;
   const float* bias_p = bias.defined() ? bias.data_ptr<float>() : nullptr;
   RECORD_FUNCTION("imgtrain::winograd_conv3x3", std::vector<c10::IValue>());
-  if (U.size(0) == 16)
-    winograd_run<2>(x, U, bias_p, relu, rp, y);
-  else
-    winograd_run<4>(x, U, bias_p, relu, rp, y);
+  if (U.size(0) == 16) {
+    winograd_run<2>(x, U, bias_p, relu, rp, y, 0, H, 0, W);
+  } else {  // 4x4 tiles over the largest part of the map they divide, 2x2 tiles over the rest
+    const int64_t h4 = H / 4 * 4, w4 = W / 4 * 4;
+    const auto U4 = U.narrow(0, 0, 36), U2 = U.narrow(0, 36, 16);
+    winograd_run<4>(x, U4, bias_p, relu, rp, y, 0, h4, 0, w4);
+    winograd_run<2>(x, U2, bias_p, relu, rp, y, h4, H, 0, W);   // the rows below
+    winograd_run<2>(x, U2, bias_p, relu, rp, y, 0, h4, w4, W);  // the columns to the right
+  }
   return y;
 }
 

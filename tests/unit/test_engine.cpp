@@ -924,7 +924,7 @@ TEST_CASE("Winograd's F(2x2, 3x3) and F(4x4, 3x3) convolutions equal a float64 c
         const auto w = torch::randn({cs.k, cs.c, 3, 3}) / std::sqrt(9.0 * double(cs.c));
         const auto b = torch::randn({cs.k}) * 0.1;
         const auto U = ops::winograd_pack_3x3(w, tile);
-        REQUIRE(U.size(0) == (tile + 2) * (tile + 2));
+        REQUIRE(U.size(0) == (tile == 2 ? 16 : 52));  // 4: F(4x4)'s, then F(2x2)'s for the edges
         REQUIRE(ops::winograd_conv3x3_supported(x, U));
         const auto r = torch::randn({cs.n, cs.k, cs.h, cs.w}).contiguous(at::MemoryFormat::ChannelsLast);
         for (bool with_residual : {false, true}) {
@@ -953,13 +953,15 @@ TEST_CASE("Winograd's F(2x2, 3x3) and F(4x4, 3x3) convolutions equal a float64 c
       }
   }
   {  // the tile for ResNet-50's stride-1 3x3 convolutions at batch 8, 224 px, on two threads: 4x4 on
-     // the 56x56 and 28x28 maps, 2x2 on 14x14 (4x4 tiles would cover 16x16) and at 512 channels
+     // the 56x56, 28x28 and 14x14 maps (there 3x3 of them and 2x2 tiles on the last two rows and
+     // columns), 2x2 at 512 channels
     at::set_num_threads(2);
     CHECK(ops::winograd_tile(8, 56, 56, 64, 64) == 4);
     CHECK(ops::winograd_tile(8, 28, 28, 128, 128) == 4);
-    CHECK(ops::winograd_tile(8, 14, 14, 256, 256) == 2);
+    CHECK(ops::winograd_tile(8, 14, 14, 256, 256) == 4);
     CHECK(ops::winograd_tile(8, 7, 7, 512, 512) == 2);
-    CHECK(ops::winograd_tile(1, 30, 30, 64, 64) == 4);  // 8x8 tiles of 4 over 32x32: little waste
+    CHECK(ops::winograd_tile(8, 7, 7, 64, 64) == 2);    // one 4x4 tile and 12 2x2 ones: 0.89 of 2x2 tiles
+    CHECK(ops::winograd_tile(1, 30, 30, 64, 64) == 4);
     CHECK(ops::winograd_tile(1, 8, 8, 64, 64) == 2);    // 4 tiles of 4x4: too few for two threads
     CHECK(ops::winograd_tile(0, 56, 56, 64, 64) == 2);  // an empty batch
     CHECK_THROWS(ops::winograd_pack_3x3(torch::randn({8, 8, 3, 3}), 3));
