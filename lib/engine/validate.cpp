@@ -57,7 +57,7 @@ int validate(const cli::Config& cfg) {
   log::info("Model {} created, param count: {}", setup.model_meta.arch, params);
 
   data::LoaderOptions lo;
-  lo.batch_size = cfg.batch_size;
+  lo.batch_size = setup.validate_batch_size && !cfg.was_given("batch-size") ? setup.validate_batch_size : cfg.batch_size;
   lo.workers = cfg.workers;
   lo.pin_memory = cfg.pinned_batches(device.is_cuda());
   lo.cuda_device = device.is_cuda() ? device.index() : -1;

@@ -356,6 +356,7 @@ TaskSetup detection_validate_setup(const cli::Config& given, const engine::Check
   s.eval_transform.channels = 3;
   s.eval_transform.min_sizes = {int64_t(eval_min_size(cfg))};
   s.sharded_eval = true;
+  s.validate_batch_size = 1;
   s.model_meta = detection_meta(arch, num_classes, s.data, cfg);
   return s;
 }

@@ -25,6 +25,10 @@ struct TaskSetup {
   // Evaluation sees each image once on one rank (no DistributedSampler padding), as the COCO
   // evaluator's merge needs; classification pads as timm's OrderedDistributedSampler.
   bool sharded_eval = false;
+  // validate's batch size where -b is not given (0: validate.py's 256). Detection evaluates one image
+  // per process, as torchvision's reference and Detectron2 do: 256 images with 100 detections each
+  // and their masks went past 24 GB.
+  int64_t validate_batch_size = 0;
 };
 
 // For `imgtrain train`: datasets checked against the flags (class counts, batch sizes) before any

@@ -1468,6 +1468,22 @@ TEST_CASE("Mask R-CNN trains on COCO data, logs its losses, resumes exactly and 
     REQUIRE(py.code == 0);
     CHECK(std::stod(py.output) == Approx(res[type + "_AP"].get<double>()).margin(1e-9));
   }
+  // without -b a detector validates one image per process (validate.py's 256 ran out of memory),
+  // and --fuse-bn (folded BatchNorms, Winograd convolutions) scores it as well
+  auto one = test::run(kBin + " validate --checkpoint " + run + "/last.safetensors --dataset coco --data-dir " + data +
+                       " --min-size 96 --max-size 160 --rpn-pre-nms-top-n-test 300 --rpn-post-nms-top-n-test 300"
+                       " --device cpu --fuse-bn --results-file " + (out / "val1.json") + " --results-format json");
+  INFO(one.output);
+  REQUIRE(one.code == 0);
+  const std::regex step(R"(Test: \[ *([0-9]+)/([0-9]+)\].*Images: ([0-9]+))");
+  std::smatch last_step;
+  for (std::sregex_iterator it(one.output.begin(), one.output.end(), step), end; it != end; ++it) last_step = *it;
+  REQUIRE(last_step.size() == 4);
+  CHECK(std::stoi(last_step[1]) + 1 == std::stoi(last_step[2]));  // the last batch of the split
+  CHECK(last_step[2] == last_step[3]);                            // as many batches as images
+  const auto res1 = nlohmann::json::parse(test::read_file(out / "val1.json"));
+  CHECK(res1["bbox_AP"].get<double>() >= 0.0);
+  CHECK(res1["segm_AP"].get<double>() >= 0.0);
 }
 
 TEST_CASE("Mask R-CNN with apex O2 and a static loss scale of 64 trains and resumes bit for bit",
