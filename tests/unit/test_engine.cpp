@@ -2470,6 +2470,11 @@ TEST_CASE("Plain 3x3 convolutions in inference run by Winograd on channels-last 
   // with inference kernels on takes Winograd's F(4x4, 3x3) or F(2x2, 3x3) in eval mode without
   // autograd, the filters packed on each call, so that a weight changed between calls is used at once
   const auto cl = at::MemoryFormat::ChannelsLast;
+  struct Threads {  // two threads (the tile choice depends on the count), restored however the test ends
+    int before = at::get_num_threads();
+    Threads() { at::set_num_threads(2); }
+    ~Threads() { at::set_num_threads(before); }
+  } threads;
   torch::manual_seed(31);
   torch::nn::Conv2d conv(torch::nn::Conv2dOptions(48, 40, 3).padding(1));
   conv->eval();
