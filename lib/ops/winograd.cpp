@@ -53,12 +53,6 @@ IMGTRAIN_AI void input_transform_at(const float* const* p, int64_t c, float* v, 
     st(v + (4 * i + 3) * xs + c, r[1] - r[3]);
   }
 }
-IMGTRAIN_CLONES void input_transform(const float* const* p, int64_t C, float* v, int64_t xs) {
-  int64_t c = 0;
-  for (; c + 16 <= C; c += 16) input_transform_at<f16v>(p, c, v, xs, load16, store16);
-  for (; c < C; ++c)
-    input_transform_at<float>(p, c, v, xs, [](const float* q) { return *q; }, [](float* q, float a) { *q = a; });
-}
 
 // The 2x2 outputs y[a][b] = (A^T m A)[a][b] + bias + res[a][b], ReLU'd when relu, from m[4i+j][k]
 // (stride xs); res null for no residual
@@ -87,16 +81,6 @@ IMGTRAIN_AI void output_transform_at(const float* m, int64_t xs, int64_t k, cons
     st(y[2 * a + 1] + k, y1);
   }
 }
-IMGTRAIN_CLONES void output_transform(const float* m, int64_t xs, int64_t K, const float* bias, bool relu,
-                                      const float* const* res, float* const* y) {
-  const float lo = relu ? 0.0f : -std::numeric_limits<float>::infinity();
-  const f16v lov = f16v{} + lo;
-  int64_t k = 0;
-  for (; k + 16 <= K; k += 16) output_transform_at<f16v>(m, xs, k, bias, lov, res, y, load16, store16);
-  for (; k < K; ++k)
-    output_transform_at<float>(m, xs, k, bias, lo, res, y, [](const float* q) { return *q; },
-                               [](float* q, float a) { *q = a; });
-}
 
 // F(4x4, 3x3): 6x6 input patches, 4x4 outputs, 36 multiplications a channel pair where the direct
 // convolution needs 144 (4x fewer). Toom-Cook at the points 0, 1, -1, 1/2, -2 and infinity, which
@@ -107,6 +91,8 @@ IMGTRAIN_CLONES void output_transform(const float* m, int64_t xs, int64_t K, con
 //          0 1 -3/2 -2 3/2 1],
 //   G = [1 0 0; 1/3 1/3 1/3; -1/3 1/3 -1/3; -16/15 -8/15 -4/15; 1/15 -2/15 4/15; 0 0 1],
 //   A^T = [1 1 1 1 1 0; 0 1 -1 1/2 -2 0; 0 1 1 1/4 4 0; 0 1 -1 1/8 -8 1].
+constexpr double kG4[6][3] = {{1, 0, 0},          {1.0 / 3, 1.0 / 3, 1.0 / 3},   {-1.0 / 3, 1.0 / 3, -1.0 / 3},
+                              {-16.0 / 15, -8.0 / 15, -4.0 / 15}, {1.0 / 15, -2.0 / 15, 4.0 / 15}, {0, 0, 1}};
 // r = B^T d for six values d (stride ds in, rs out)
 template <typename T>
 IMGTRAIN_AI void bt6(const T* d, int ds, T* r, int rs) {
@@ -128,12 +114,6 @@ IMGTRAIN_AI void input_transform6_at(const float* const* p, int64_t c, float* v,
     bt6(t + 6 * i, 1, r, 1);
     for (int j = 0; j < 6; ++j) st(v + (6 * i + j) * xs + c, r[j]);
   }
-}
-IMGTRAIN_CLONES void input_transform6(const float* const* p, int64_t C, float* v, int64_t xs) {
-  int64_t c = 0;
-  for (; c + 16 <= C; c += 16) input_transform6_at<f16v>(p, c, v, xs, load16, store16);
-  for (; c < C; ++c)
-    input_transform6_at<float>(p, c, v, xs, [](const float* q) { return *q; }, [](float* q, float a) { *q = a; });
 }
 // s = A^T m for six values m (stride ms in, ss out)
 template <typename T>
@@ -162,15 +142,48 @@ IMGTRAIN_AI void output_transform4_at(const float* m, int64_t xs, int64_t k, con
     }
   }
 }
+
+// One tile's transforms over all its channels, 16 at a time, then one by one: R = 2 for F(2x2, 3x3)'s,
+// 4 for F(4x4, 3x3)'s
+template <int R>
+IMGTRAIN_AI void input_tile(const float* const* p, int64_t C, float* v, int64_t xs) {
+  auto at = [&](int64_t c, auto one, auto ld, auto st) {
+    using T = decltype(one);
+    if constexpr (R == 2)
+      input_transform_at<T>(p, c, v, xs, ld, st);
+    else
+      input_transform6_at<T>(p, c, v, xs, ld, st);
+  };
+  int64_t c = 0;
+  for (; c + 16 <= C; c += 16) at(c, f16v{}, load16, store16);
+  for (; c < C; ++c) at(c, 0.0f, [](const float* q) { return *q; }, [](float* q, float a) { *q = a; });
+}
+template <int R>
+IMGTRAIN_AI void output_tile(const float* m, int64_t xs, int64_t K, const float* bias, bool relu,
+                             const float* const* res, float* const* y) {
+  const float lo = relu ? 0.0f : -std::numeric_limits<float>::infinity();
+  auto at = [&](int64_t k, auto lo_t, auto ld, auto st) {
+    using T = decltype(lo_t);
+    if constexpr (R == 2)
+      output_transform_at<T>(m, xs, k, bias, lo_t, res, y, ld, st);
+    else
+      output_transform4_at<T>(m, xs, k, bias, lo_t, res, y, ld, st);
+  };
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) at(k, f16v{} + lo, load16, store16);
+  for (; k < K; ++k) at(k, lo, [](const float* q) { return *q; }, [](float* q, float a) { *q = a; });
+}
+IMGTRAIN_CLONES void input_transform(const float* const* p, int64_t C, float* v, int64_t xs) { input_tile<2>(p, C, v, xs); }
+IMGTRAIN_CLONES void input_transform6(const float* const* p, int64_t C, float* v, int64_t xs) {
+  input_tile<4>(p, C, v, xs);
+}
+IMGTRAIN_CLONES void output_transform(const float* m, int64_t xs, int64_t K, const float* bias, bool relu,
+                                      const float* const* res, float* const* y) {
+  output_tile<2>(m, xs, K, bias, relu, res, y);
+}
 IMGTRAIN_CLONES void output_transform4(const float* m, int64_t xs, int64_t K, const float* bias, bool relu,
                                        const float* const* res, float* const* y) {
-  const float lo = relu ? 0.0f : -std::numeric_limits<float>::infinity();
-  const f16v lov = f16v{} + lo;
-  int64_t k = 0;
-  for (; k + 16 <= K; k += 16) output_transform4_at<f16v>(m, xs, k, bias, lov, res, y, load16, store16);
-  for (; k < K; ++k)
-    output_transform4_at<float>(m, xs, k, bias, lo, res, y, [](const float* q) { return *q; },
-                                [](float* q, float a) { *q = a; });
+  output_tile<4>(m, xs, K, bias, relu, res, y);
 }
 
 // Tiles a block: about target (products of that many rows keep MKL near its peak; the block's
@@ -208,12 +221,9 @@ IMGTRAIN_CLONES void pack_train(const float* w, float* U, int64_t plane, int64_t
 // The same for F(4x4, 3x3)'s G (U[6i+j][n]): float32 products and sums (rounded at every step, where
 // winograd_pack_3x3 rounds once)
 IMGTRAIN_CLONES void pack_train4(const float* w, float* U, int64_t plane, int64_t n0, int64_t n1) {
-  constexpr float G[6][3] = {{1, 0, 0},
-                             {1.0f / 3, 1.0f / 3, 1.0f / 3},
-                             {-1.0f / 3, 1.0f / 3, -1.0f / 3},
-                             {-16.0f / 15, -8.0f / 15, -4.0f / 15},
-                             {1.0f / 15, -2.0f / 15, 4.0f / 15},
-                             {0, 0, 1}};
+  float G[6][3];  // kG4 rounded to float
+  for (int i = 0; i < 6; ++i)
+    for (int j = 0; j < 3; ++j) G[i][j] = float(kG4[i][j]);
   for (int64_t n = n0; n < n1; ++n) {
     float g[3][3];
     for (int a = 0; a < 3; ++a)
@@ -260,12 +270,6 @@ at::Tensor winograd_pack_3x3(const at::Tensor& weight, int tile) {
   auto U = at::empty({tile == 2 ? 16 : 52, C, K}, weight.options().dtype(at::kFloat).device(at::kCPU));
   const double* gp = g.data_ptr<double>();
   static constexpr double G2[4][3] = {{1, 0, 0}, {0.5, 0.5, 0.5}, {0.5, -0.5, 0.5}, {0, 0, 1}};
-  static constexpr double G4[6][3] = {{1, 0, 0},
-                                      {1.0 / 3, 1.0 / 3, 1.0 / 3},
-                                      {-1.0 / 3, 1.0 / 3, -1.0 / 3},
-                                      {-16.0 / 15, -8.0 / 15, -4.0 / 15},
-                                      {1.0 / 15, -2.0 / 15, 4.0 / 15},
-                                      {0, 0, 1}};
   // U[A i + j] from the first plane of up: (G g G^T)[i][j] for the A x 3 matrix G
   auto pack = [&](const double(*G)[3], int A, float* up) {
     for (int64_t k = 0; k < K; ++k)
@@ -281,7 +285,7 @@ at::Tensor winograd_pack_3x3(const at::Tensor& weight, int tile) {
   };
   float* up = U.data_ptr<float>();
   if (tile == 4) {  // F(4x4)'s 36 planes, then F(2x2)'s 16 for the map's edges
-    pack(G4, 6, up);
+    pack(kG4, 6, up);
     up += 36 * C * K;
   }
   pack(G2, 4, up);

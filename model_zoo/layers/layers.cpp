@@ -250,16 +250,27 @@ at::Tensor dense_train(const at::Tensor& in, const at::Tensor& w, const at::Tens
   return ops::dense_conv_train(in, w, b, stride[0], padding[0]);
 }
 
+// Whether inference runs this convolution by Winograd's F(2x2, 3x3) or F(4x4, 3x3) (ops/winograd.h)
+// on channels-last float32 inputs: 3x3, stride 1, padding 1, no dilation or groups, and at least 32
+// channels in and out (at 16 oneDNN's direct convolution was faster: bench/winograd_parts.cpp)
+bool winograd_shape(const torch::nn::Conv2dImpl& conv, const ConvImpl* zconv, const std::vector<int64_t>& padding,
+                    const std::vector<int64_t>& stride, const std::vector<int64_t>& dilation) {
+  const auto& w = conv.weight;
+  return !zconv && w.dim() == 4 && w.size(2) == 3 && w.size(3) == 3 && w.size(0) >= 32 && w.size(1) >= 32 &&
+         conv.options.groups() == 1 && padding == std::vector<int64_t>{1, 1} && stride == std::vector<int64_t>{1, 1} &&
+         dilation == std::vector<int64_t>{1, 1} && w.scalar_type() == at::kFloat && w.device().is_cpu();
+}
+
 // A plain 3x3 stride-1 convolution in inference without autograd (a detector's FPN, RPN and mask
-// head: no BatchNorm to fold, so no conv_bn_act) by Winograd (ops/winograd.h) on channels-last
-// float32 maps with at least 32 channels in and out, the filters packed in float32 on each call
-// (the weights may change between calls: evaluation during training); else undefined.
-at::Tensor dense_infer(const at::Tensor& in, const at::Tensor& w, const at::Tensor& b, const std::vector<int64_t>& stride,
-                       const std::vector<int64_t>& padding, const std::vector<int64_t>& dilation, int64_t groups) {
-  if (at::GradMode::is_enabled() || at::autocast::is_autocast_enabled(at::kCPU) || groups != 1 || in.dim() != 4 ||
-      w.dim() != 4 || w.size(2) != 3 || w.size(3) != 3 || w.size(0) < 32 || w.size(1) < 32 ||
-      stride != std::vector<int64_t>{1, 1} || padding != std::vector<int64_t>{1, 1} ||
-      dilation != std::vector<int64_t>{1, 1} || w.scalar_type() != at::kFloat || !w.device().is_cpu() ||
+// head: no BatchNorm to fold, so no conv_bn_act) by Winograd where winograd_shape says, the filters
+// packed in float32 on each call (the weights may change between calls: evaluation during
+// training); else undefined.
+at::Tensor dense_infer(torch::nn::Conv2dImpl& conv, const ConvImpl* zconv, const at::Tensor& in,
+                       const std::vector<int64_t>& padding, const std::vector<int64_t>& stride) {
+  const auto& w = conv.weight;
+  const auto& b = conv.bias;
+  if (at::GradMode::is_enabled() || at::autocast::is_autocast_enabled(at::kCPU) || in.dim() != 4 ||
+      !winograd_shape(conv, zconv, padding, stride, vec(conv.options.dilation())) ||
       (b.defined() && (b.scalar_type() != at::kFloat || !b.device().is_cpu())))
     return {};
   const int tile = ops::winograd_tile(in.size(0), in.size(2), in.size(3), w.size(1), w.size(0));
@@ -288,8 +299,7 @@ at::Tensor conv_forward(torch::nn::Conv2dImpl& conv, ConvImpl* zconv, const at::
       if (auto d = dense_train(in, conv.weight, conv.bias, stride, padding, vec(o.dilation()), o.groups()); d.defined())
         return d;
     } else if (infer_kernels) {
-      if (auto d = dense_infer(in, conv.weight, conv.bias, stride, padding, vec(o.dilation()), o.groups()); d.defined())
-        return d;
+      if (auto d = dense_infer(conv, zconv, in, padding, stride); d.defined()) return d;
     }
   }
   return zconv ? zconv->forward(x) : conv.forward(x);
@@ -373,17 +383,6 @@ at::Tensor frozen_folded(torch::nn::Conv2dImpl& conv, imgtrain::BatchNorm2dImpl&
   if (!y.defined()) y = at::conv2d(input, w, b, stride, padding, dilation, o.groups());
   if (residual.defined()) y.add_(residual);
   return apply_act(y, act, true);
-}
-
-// Whether conv_bn_act's inference runs this convolution by Winograd's F(2x2, 3x3) or F(4x4, 3x3) (ops/winograd.h)
-// on channels-last float32 inputs: 3x3, stride 1, padding 1, no dilation or groups, and at least 32
-// channels in and out (at 16 oneDNN's direct convolution was faster: bench/winograd_parts.cpp)
-bool winograd_shape(const torch::nn::Conv2dImpl& conv, const ConvImpl* zconv, const std::vector<int64_t>& padding,
-                    const std::vector<int64_t>& stride, const std::vector<int64_t>& dilation) {
-  const auto& w = conv.weight;
-  return !zconv && w.dim() == 4 && w.size(2) == 3 && w.size(3) == 3 && w.size(0) >= 32 && w.size(1) >= 32 &&
-         conv.options.groups() == 1 && padding == std::vector<int64_t>{1, 1} && stride == std::vector<int64_t>{1, 1} &&
-         dilation == std::vector<int64_t>{1, 1} && w.scalar_type() == at::kFloat && w.device().is_cpu();
 }
 
 }  // namespace
