@@ -48,27 +48,6 @@ struct Tiles {
   }
 };
 
-// erf(x) as ATen's float CPU kernels evaluate it (Vectorized<float>::erf: Abramowitz and Stegun
-// 7.1.26, |error| < 1.5e-7, the same constants and order of operations), with exp_approx for
-// Sleef's exp: 1 - t r(t) exp(-x^2) with t = 1 / (1 + p |x|), signed as x. Also returns exp(-x^2),
-// which at x = v / sqrt 2 is the exponent of GELU's derivative's normal density.
-struct ErfParts {
-  float erf, e;
-};
-IMGTRAIN_AI ErfParts erf_parts(float x) {
-  const float t = 1.0f / (0.3275911f * std::fabs(x) + 1.0f);
-  float r = 1.061405429f * t + -1.453152027f;
-  r = r * t + 1.421413741f;
-  r = r * t + -0.284496736f;
-  r = r * t + 0.254829592f;
-  const float e = exp_approx(-(x * x));
-  return {std::copysign(1.0f - r * t * e, x), e};
-}
-
-// GELU as ATen's: v / 2 (1 + erf(v / sqrt 2)); its derivative cdf + v pdf, pdf = exp(-v^2 / 2) / sqrt(2 pi)
-constexpr float kAlpha = float(M_SQRT1_2), kBeta = float(M_2_SQRTPI * M_SQRT1_2 * 0.5);
-IMGTRAIN_AI float gelu_of(float v, float erf) { return v * 0.5f * (1.0f + erf); }
-
 // The loops, over `rows` rows of `cols` floats at the given row strides:
 // p = gelu(p + b)
 IMGTRAIN_CLONES void bias_gelu_rows(float* p, int64_t ld, int64_t rows, int64_t cols, const float* b) {
