@@ -26,7 +26,6 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
-#include <cstring>
 #include <vector>
 
 #if defined(__GNUC__) && defined(__x86_64__)
@@ -35,13 +34,13 @@
 #endif
 
 namespace imgtrain::ops {
-enum class GemmAct { None, ReLU, GELU };
+enum class GemmAct { None, GELU };
 namespace {
 constexpr int64_t kNR = 16;   // columns of a panel and of a tile: two 8-float registers
 constexpr int64_t kMR = 6;    // rows of a tile: 12 accumulators, 2 panel registers, 1 broadcast
 constexpr int64_t kKC = 384;  // K per pass: a panel's 384 x 16 floats (24 KB) stay in L1
 constexpr int64_t kMB = 16;   // tiles' rows per block (96 rows of x, 144 KB at K 384, in L2)
-constexpr int64_t kPC = 12;
+constexpr int64_t kPC = 12;   // panels per block when blocks are taken in turn (192 columns)
 }  // namespace
 
 #ifdef IMGTRAIN_GEMM_X86
@@ -56,35 +55,22 @@ struct Epilogue {
 
 // The 16 outputs of one row of a tile: the sums so far, the bias, the residual, the activation
 inline void finish_row(float* c, __m256 x0, __m256 x1, bool accumulate, bool last, const Epilogue& e,
-                       const float* bias, const float* res, int64_t nv) {
-  alignas(32) float t[kNR];
-  if (nv == kNR && accumulate) {
+                       const float* bias, const float* res) {
+  if (accumulate) {
     x0 = _mm256_add_ps(x0, _mm256_loadu_ps(c));
     x1 = _mm256_add_ps(x1, _mm256_loadu_ps(c + 8));
-  } else if (accumulate) {
-    std::memcpy(t, c, nv * sizeof(float));
-    x0 = _mm256_add_ps(x0, _mm256_load_ps(t));
-    x1 = _mm256_add_ps(x1, _mm256_load_ps(t + 8));
   }
   if (last) {
     if (bias) {
-      x0 = _mm256_add_ps(x0, _mm256_load_ps(bias));
-      x1 = _mm256_add_ps(x1, _mm256_load_ps(bias + 8));
+      x0 = _mm256_add_ps(x0, _mm256_loadu_ps(bias));
+      x1 = _mm256_add_ps(x1, _mm256_loadu_ps(bias + 8));
     }
     if (res) {
-      if (nv == kNR) {
-        x0 = _mm256_add_ps(x0, _mm256_loadu_ps(res));
-        x1 = _mm256_add_ps(x1, _mm256_loadu_ps(res + 8));
-      } else {
-        std::memcpy(t, res, nv * sizeof(float));
-        x0 = _mm256_add_ps(x0, _mm256_load_ps(t));
-        x1 = _mm256_add_ps(x1, _mm256_load_ps(t + 8));
-      }
+      x0 = _mm256_add_ps(x0, _mm256_loadu_ps(res));
+      x1 = _mm256_add_ps(x1, _mm256_loadu_ps(res + 8));
     }
-    if (e.act == GemmAct::ReLU) {
-      x0 = _mm256_max_ps(x0, _mm256_setzero_ps());
-      x1 = _mm256_max_ps(x1, _mm256_setzero_ps());
-    } else if (e.act == GemmAct::GELU) {
+    if (e.act == GemmAct::GELU) {
+      alignas(32) float t[kNR];
       _mm256_store_ps(t, x0);
       _mm256_store_ps(t + 8, x1);
       for (int j = 0; j < kNR; ++j) t[j] = gelu_of(t[j], erf_parts(t[j] * kAlpha).erf);
@@ -92,14 +78,8 @@ inline void finish_row(float* c, __m256 x0, __m256 x1, bool accumulate, bool las
       x1 = _mm256_load_ps(t + 8);
     }
   }
-  if (nv == kNR) {
-    _mm256_storeu_ps(c, x0);
-    _mm256_storeu_ps(c + 8, x1);
-  } else {
-    _mm256_store_ps(t, x0);
-    _mm256_store_ps(t + 8, x1);
-    std::memcpy(c, t, nv * sizeof(float));
-  }
+  _mm256_storeu_ps(c, x0);
+  _mm256_storeu_ps(c + 8, x1);
 }
 
 // one row of a tile at one k: lo, hi += a[k] * (b0, b1)
@@ -113,7 +93,7 @@ __attribute__((always_inline)) inline void step(const float* a, __m256 b0, __m25
 // the K products of each output summed in order, one fused multiply-add each
 template <int MR>
 inline void tile(const float* A, int64_t lda, const float* B, int64_t K, float* C, int64_t ldc, bool accumulate,
-                 bool last, const Epilogue& e, const float* bias, const float* res, int64_t nv) {
+                 bool last, const Epilogue& e, const float* bias, const float* res) {
   const float* a0 = A;
   const float* a1 = A + (MR > 1 ? lda : 0);
   const float* a2 = A + (MR > 2 ? 2 * lda : 0);
@@ -133,33 +113,32 @@ inline void tile(const float* A, int64_t lda, const float* B, int64_t K, float* 
     if constexpr (MR > 5) step(a5 + k, b0, b1, c50, c51);
   }
   const int64_t ldr = res ? ldc : 0;
-  finish_row(C, c00, c01, accumulate, last, e, bias, res, nv);
-  if constexpr (MR > 1) finish_row(C + ldc, c10, c11, accumulate, last, e, bias, res ? res + ldr : nullptr, nv);
-  if constexpr (MR > 2) finish_row(C + 2 * ldc, c20, c21, accumulate, last, e, bias, res ? res + 2 * ldr : nullptr, nv);
-  if constexpr (MR > 3) finish_row(C + 3 * ldc, c30, c31, accumulate, last, e, bias, res ? res + 3 * ldr : nullptr, nv);
-  if constexpr (MR > 4) finish_row(C + 4 * ldc, c40, c41, accumulate, last, e, bias, res ? res + 4 * ldr : nullptr, nv);
-  if constexpr (MR > 5) finish_row(C + 5 * ldc, c50, c51, accumulate, last, e, bias, res ? res + 5 * ldr : nullptr, nv);
+  finish_row(C, c00, c01, accumulate, last, e, bias, res);
+  if constexpr (MR > 1) finish_row(C + ldc, c10, c11, accumulate, last, e, bias, res ? res + ldr : nullptr);
+  if constexpr (MR > 2) finish_row(C + 2 * ldc, c20, c21, accumulate, last, e, bias, res ? res + 2 * ldr : nullptr);
+  if constexpr (MR > 3) finish_row(C + 3 * ldc, c30, c31, accumulate, last, e, bias, res ? res + 3 * ldr : nullptr);
+  if constexpr (MR > 4) finish_row(C + 4 * ldc, c40, c41, accumulate, last, e, bias, res ? res + 4 * ldr : nullptr);
+  if constexpr (MR > 5) finish_row(C + 5 * ldc, c50, c51, accumulate, last, e, bias, res ? res + 5 * ldr : nullptr);
 }
 
 using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, bool, bool, const Epilogue&,
-                        const float*, const float*, int64_t);
+                        const float*, const float*);
 constexpr TileFn kTiles[kMR + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>};
 
 // Rows [m0, m1) and panels [p0, p1) of C [M, N] = A [M, K] B^T with B's panels [P, K, 16], the
-// epilogue at the last K block. The bias padded to whole panels (bias_p, or null).
+// epilogue at the last K block. bias [N] or null.
 void block(const float* A, int64_t K, const float* panels, int64_t N, float* C, int64_t m0, int64_t m1, int64_t p0,
-           int64_t p1, const Epilogue& e, const float* bias_p) {
+           int64_t p1, const Epilogue& e, const float* bias) {
   for (int64_t k0 = 0; k0 < K; k0 += kKC) {
     const int64_t kc = std::min(kKC, K - k0);
     const bool accumulate = k0 > 0, last = k0 + kc == K;
     for (int64_t p = p0; p < p1; ++p) {
       const float* B = panels + (p * K + k0) * kNR;
-      const int64_t n0 = p * kNR, nv = std::min(kNR, N - n0);
-      const float* bias = bias_p ? bias_p + n0 : nullptr;
+      const int64_t n0 = p * kNR;
       for (int64_t m = m0; m < m1; m += kMR) {
         const int64_t mr = std::min(kMR, m1 - m);
-        kTiles[mr](A + m * K + k0, K, B, kc, C + m * N + n0, N, accumulate, last, e, bias,
-                   e.residual ? e.residual + m * N + n0 : nullptr, nv);
+        kTiles[mr](A + m * K + k0, K, B, kc, C + m * N + n0, N, accumulate, last, e, bias ? bias + n0 : nullptr,
+                   e.residual ? e.residual + m * N + n0 : nullptr);
       }
     }
   }
@@ -178,20 +157,12 @@ bool gemm_supported() {
 #endif
 }
 
-bool gemm_preferred() {
-#ifdef IMGTRAIN_GEMM_X86
-  static const bool ok = gemm_supported() && !__builtin_cpu_supports("avx512f");
-  return ok;
-#else
-  return false;
-#endif
-}
-
 at::Tensor gemm_pack(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.device().is_cpu(),
               "gemm_pack: a float32 CPU weight [N, K]");
-  const int64_t N = weight.size(0), K = weight.size(1), P = (N + kNR - 1) / kNR;
-  auto out = at::zeros({P, K, kNR}, weight.options());
+  const int64_t N = weight.size(0), K = weight.size(1), P = N / kNR;
+  TORCH_CHECK(N % kNR == 0, "gemm_pack: N a multiple of 16");
+  auto out = at::empty({P, K, kNR}, weight.options());
   const auto w = weight.contiguous();
   const float* src = w.const_data_ptr<float>();
   float* dst = out.data_ptr<float>();
@@ -203,41 +174,25 @@ at::Tensor gemm_pack(const at::Tensor& weight) {
 at::Tensor gemm_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N, const at::Tensor& bias,
                        GemmAct act = GemmAct::None, const at::Tensor& residual = {}, bool dynamic = false) {
   TORCH_CHECK(gemm_supported(), "gemm_linear: this CPU has no AVX2 and FMA");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu() && x.dim() >= 1, "gemm_linear: float32 CPU x");
-  const int64_t K = x.size(-1), P = (N + kNR - 1) / kNR;
-  TORCH_CHECK(panels.dim() == 3 && panels.size(0) == P && panels.size(1) == K && panels.size(2) == kNR &&
-                  panels.is_contiguous(),
-              "gemm_linear: panels [", P, ", ", K, ", 16] for N ", N);
-  TORCH_CHECK(!bias.defined() || (bias.numel() == N && bias.scalar_type() == at::kFloat), "gemm_linear: bias [N]");
+  const int64_t K = x.size(-1), P = N / kNR;
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu() && K > 0 && N % kNR == 0 &&
+                  panels.sizes() == at::IntArrayRef({P, K, kNR}) && panels.is_contiguous() &&
+                  (!bias.defined() || bias.numel() == N) && (!residual.defined() || act == GemmAct::None),
+              "gemm_linear: float32 CPU x [..., K], panels [N / 16, K, 16], bias [N], a residual without activation");
   auto sizes = x.sizes().vec();
   sizes.back() = N;
   auto out = at::empty(sizes, x.options());
-  const int64_t M = K ? x.numel() / K : out.numel() / std::max<int64_t>(N, 1);
-  TORCH_CHECK(!residual.defined() || (residual.sizes() == out.sizes() && residual.scalar_type() == at::kFloat),
-              "gemm_linear: residual shaped as the output");
-  TORCH_CHECK(!residual.defined() || act == GemmAct::None, "gemm_linear: a residual with no activation");
-  if (M == 0 || N == 0) return out;
-  if (K == 0) {  // an empty sum: the bias alone
-    out.zero_();
-    if (bias.defined()) out.add_(bias);
-    if (residual.defined()) out.add_(residual);
-    if (act == GemmAct::ReLU) out.relu_();
-    return act == GemmAct::GELU ? at::gelu(out) : out;
-  }
+  TORCH_CHECK(!residual.defined() || residual.sizes() == out.sizes(), "gemm_linear: residual shaped as the output");
+  const int64_t M = x.numel() / K;
 #ifdef IMGTRAIN_GEMM_X86
   const auto xc = x.contiguous();
   const auto rc = residual.defined() ? residual.contiguous() : residual;
-  AlignedVector<float> bias_p;
-  if (bias.defined()) {
-    bias_p.assign(P * kNR, 0.0f);
-    const auto bc = bias.contiguous();
-    std::copy_n(bc.const_data_ptr<float>(), N, bias_p.data());
-  }
+  const auto bc = bias.defined() ? bias.contiguous() : bias;
   const avx2::Epilogue e{rc.defined() ? rc.const_data_ptr<float>() : nullptr, act};
   const float* A = xc.const_data_ptr<float>();
   const float* B = panels.const_data_ptr<float>();
   float* C = out.data_ptr<float>();
-  const float* bp = bias_p.empty() ? nullptr : bias_p.data();
+  const float* bp = bc.defined() ? bc.const_data_ptr<float>() : nullptr;
   if (dynamic) {  // blocks of 96 rows x 192 columns taken in turn by whichever thread is free
     const int64_t mblocks = (M + kMB * kMR - 1) / (kMB * kMR), pchunks = (P + kPC - 1) / kPC;
     std::atomic<int64_t> next{0};
