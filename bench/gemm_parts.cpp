@@ -9,6 +9,10 @@
 // 12 ViT-S blocks' linears with their own weights (88 MB: read from memory every pass, as in the
 // model), 30 alternating passes, minimum and median. Milliseconds and GFLOP/s at the thread count
 // OMP_NUM_THREADS gives; errors against float64 relative to the output's largest magnitude.
+// Then ResNet-50's stride-1 1x1 convolutions (channels-last maps are [M, C] matrices) against
+// oneDNN's fused convolution with its own weight layout (mkldnn::_convolution_pointwise, the
+// residual ones in place by mkldnn::_convolution_pointwise_, as imgtrain's inference runs them),
+// with the ReLU epilogue and the residual accumulated into the output (2026-12-07, seventh session).
 //   g++ -O3 -std=gnu++20 -fno-trapping-math -fno-thread-jumps -Ilib -isystem $T/include \
 //       -isystem $T/include/torch/csrc/api/include bench/gemm_parts.cpp -o /tmp/gemm_parts \
 //       -L$T/lib -ltorch -ltorch_cpu -lc10 -Wl,-rpath,$T/lib -Wno-psabi -fopenmp
@@ -34,7 +38,7 @@
 #endif
 
 namespace imgtrain::ops {
-enum class GemmAct { None, GELU };
+enum class GemmAct { None, GELU, ReLU };
 namespace {
 constexpr int64_t kNR = 16;   // columns of a panel and of a tile: two 8-float registers
 constexpr int64_t kMR = 6;    // rows of a tile: 12 accumulators, 2 panel registers, 1 broadcast
@@ -68,6 +72,10 @@ inline void finish_row(float* c, __m256 x0, __m256 x1, bool accumulate, bool las
     if (res) {
       x0 = _mm256_add_ps(x0, _mm256_loadu_ps(res));
       x1 = _mm256_add_ps(x1, _mm256_loadu_ps(res + 8));
+    }
+    if (e.act == GemmAct::ReLU) {
+      x0 = _mm256_max_ps(x0, _mm256_setzero_ps());
+      x1 = _mm256_max_ps(x1, _mm256_setzero_ps());
     }
     if (e.act == GemmAct::GELU) {
       alignas(32) float t[kNR];
@@ -126,12 +134,12 @@ using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, in
 constexpr TileFn kTiles[kMR + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>};
 
 // Rows [m0, m1) and panels [p0, p1) of C [M, N] = A [M, K] B^T with B's panels [P, K, 16], the
-// epilogue at the last K block. bias [N] or null.
+// epilogue at the last K block. bias [N] or null. into: C holds the residual, the sums are added to it.
 void block(const float* A, int64_t K, const float* panels, int64_t N, float* C, int64_t m0, int64_t m1, int64_t p0,
-           int64_t p1, const Epilogue& e, const float* bias) {
+           int64_t p1, const Epilogue& e, const float* bias, bool into = false) {
   for (int64_t k0 = 0; k0 < K; k0 += kKC) {
     const int64_t kc = std::min(kKC, K - k0);
-    const bool accumulate = k0 > 0, last = k0 + kc == K;
+    const bool accumulate = into || k0 > 0, last = k0 + kc == K;
     for (int64_t p = p0; p < p1; ++p) {
       const float* B = panels + (p * K + k0) * kNR;
       const int64_t n0 = p * kNR;
@@ -172,23 +180,26 @@ at::Tensor gemm_pack(const at::Tensor& weight) {
 }
 
 at::Tensor gemm_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N, const at::Tensor& bias,
-                       GemmAct act = GemmAct::None, const at::Tensor& residual = {}, bool dynamic = false) {
+                       GemmAct act = GemmAct::None, const at::Tensor& residual = {}, bool dynamic = false,
+                       bool into = false) {  // into: the sums added to the residual, in place
   TORCH_CHECK(gemm_supported(), "gemm_linear: this CPU has no AVX2 and FMA");
   const int64_t K = x.size(-1), P = N / kNR;
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu() && K > 0 && N % kNR == 0 &&
                   panels.sizes() == at::IntArrayRef({P, K, kNR}) && panels.is_contiguous() &&
-                  (!bias.defined() || bias.numel() == N) && (!residual.defined() || act == GemmAct::None),
-              "gemm_linear: float32 CPU x [..., K], panels [N / 16, K, 16], bias [N], a residual without activation");
+                  (!bias.defined() || bias.numel() == N) && (!residual.defined() || act != GemmAct::GELU) &&
+                  (!into || (residual.defined() && residual.is_contiguous())),
+              "gemm_linear: float32 CPU x [..., K], panels [N / 16, K, 16], bias [N], a residual without GELU "
+              "(contiguous when written in place)");
   auto sizes = x.sizes().vec();
   sizes.back() = N;
-  auto out = at::empty(sizes, x.options());
+  auto out = into ? residual : at::empty(sizes, x.options());
   TORCH_CHECK(!residual.defined() || residual.sizes() == out.sizes(), "gemm_linear: residual shaped as the output");
   const int64_t M = x.numel() / K;
 #ifdef IMGTRAIN_GEMM_X86
   const auto xc = x.contiguous();
   const auto rc = residual.defined() ? residual.contiguous() : residual;
   const auto bc = bias.defined() ? bias.contiguous() : bias;
-  const avx2::Epilogue e{rc.defined() ? rc.const_data_ptr<float>() : nullptr, act};
+  const avx2::Epilogue e{rc.defined() && !into ? rc.const_data_ptr<float>() : nullptr, act};
   const float* A = xc.const_data_ptr<float>();
   const float* B = panels.const_data_ptr<float>();
   float* C = out.data_ptr<float>();
@@ -199,7 +210,7 @@ at::Tensor gemm_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N,
     at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
       for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < mblocks * pchunks;) {
         const int64_t m0 = (i / pchunks) * kMB * kMR, p0 = (i % pchunks) * kPC;
-        avx2::block(A, K, B, N, C, m0, std::min(M, m0 + kMB * kMR), p0, std::min(P, p0 + kPC), e, bp);
+        avx2::block(A, K, B, N, C, m0, std::min(M, m0 + kMB * kMR), p0, std::min(P, p0 + kPC), e, bp, into);
       }
     });
   } else {  // rows split evenly between the threads
@@ -207,7 +218,7 @@ at::Tensor gemm_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N,
     at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
       const int64_t r0 = t0 * kMR, r1 = std::min(M, t1 * kMR);
       for (int64_t m0 = r0; m0 < r1; m0 += kMB * kMR)
-        avx2::block(A, K, B, N, C, m0, std::min(r1, m0 + kMB * kMR), 0, P, e, bp);
+        avx2::block(A, K, B, N, C, m0, std::min(r1, m0 + kMB * kMR), 0, P, e, bp, into);
     });
   }
 #endif
@@ -215,6 +226,7 @@ at::Tensor gemm_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N,
 }
 
 }  // namespace imgtrain::ops
+
 
 int main() {
   c10::InferenceMode guard;
@@ -331,5 +343,83 @@ int main() {
                 "(%.3fx, %.3fx) | blocks taken in turn: min %.1f median %.1f (%.3fx, %.3fx)\n",
                 td[0], td[15], ts[0], ts[15], td[0] / ts[0], td[15] / ts[15], to[0], to[15], td[0] / to[0],
                 td[15] / to[15]);
+  }
+
+  {  // ResNet-50's stride-1 1x1 convolutions: channels-last, batch 8, folded BatchNorm as the bias,
+     // ReLU; the ones that end a block add the residual, into a new map and in place (what the
+     // model runs). Medians of 9 alternating rounds (best of 2 passes each).
+    auto& disp = c10::Dispatcher::singleton();
+    const auto unary = disp.findSchemaOrThrow("mkldnn::_convolution_pointwise", "");
+    const auto binary = disp.findSchemaOrThrow("mkldnn::_convolution_pointwise", "binary");
+    const auto inplace = disp.findSchemaOrThrow("mkldnn::_convolution_pointwise_", "binary");
+    const auto reorder = disp.findSchemaOrThrow("mkldnn::_reorder_convolution_weight", "");
+    struct Shape { int64_t hw, cin, cout, count; bool residual; };  // count: how many per forward
+    const std::vector<Shape> shapes = {{56, 64, 64, 1, false},    {56, 256, 64, 2, false},  {56, 64, 256, 3, true},
+                                       {56, 64, 256, 1, false},   {56, 256, 128, 1, false}, {28, 512, 128, 3, false},
+                                       {28, 128, 512, 4, true},   {28, 512, 256, 1, false}, {14, 1024, 256, 5, false},
+                                       {14, 256, 1024, 6, true},  {14, 1024, 512, 1, false}, {7, 2048, 512, 2, false},
+                                       {7, 512, 2048, 3, true}};
+    const std::vector<int64_t> pad{0, 0}, one{1, 1};
+    const c10::List<std::optional<at::Scalar>> none;
+    auto median = [](std::vector<double> v) {
+      std::sort(v.begin(), v.end());
+      return v[v.size() / 2];
+    };
+    std::printf("ResNet-50's 1x1 convolutions, batch 8: ms (GFLOP/s); residual ones: new map | in place\n");
+    double total_dnn = 0, total_ours = 0;
+    for (const auto& s : shapes) {
+      const int64_t B = 8, M = B * s.hw * s.hw;
+      const auto cl = at::MemoryFormat::ChannelsLast;
+      const auto x = at::randn({B, s.cin, s.hw, s.hw}).contiguous(cl);
+      const auto w = (at::randn({s.cout, s.cin, 1, 1}) / std::sqrt(double(s.cin))).contiguous(cl);
+      const auto b = at::randn({s.cout}) * 0.1;
+      const auto r = at::randn({B, s.cout, s.hw, s.hw}).contiguous(cl);
+      torch::jit::Stack st{w, pad, one, one, int64_t(1), x.sizes().vec()};
+      reorder.callBoxed(&st);
+      const auto wd = st[0].toTensor();
+      const auto panels = imgtrain::ops::gemm_pack(w.reshape({s.cout, s.cin}));
+      const auto x2 = x.permute({0, 2, 3, 1}).reshape({M, s.cin});  // the NHWC bytes as [M, C]
+      const auto r2 = r.permute({0, 2, 3, 1}).reshape({M, s.cout});
+      auto rd = r.clone(), ro = r2.clone();  // written in place over and over (timing only)
+      at::Tensor yd, yo;
+      std::vector<double> dnn, ours, dnn_in, ours_in;
+      for (int round = 0; round < 9; ++round) {
+        dnn.push_back(best_ms([&] {
+          torch::jit::Stack q = s.residual
+              ? torch::jit::Stack{x, r, wd, b, pad, one, one, int64_t(1), std::string("add"), c10::IValue(),
+                                  c10::IValue(std::string("relu")), none, c10::IValue()}
+              : torch::jit::Stack{x, wd, b, pad, one, one, int64_t(1), std::string("relu"), none, std::string()};
+          (s.residual ? binary : unary).callBoxed(&q);
+          yd = q[0].toTensor();
+        }, 2));
+        ours.push_back(best_ms([&] {
+          yo = imgtrain::ops::gemm_linear(x2, panels, s.cout, b, imgtrain::ops::GemmAct::ReLU, s.residual ? r2 : at::Tensor());
+        }, 2));
+        if (!s.residual) continue;
+        dnn_in.push_back(best_ms([&] {
+          torch::jit::Stack q{rd, x, wd, b, pad, one, one, int64_t(1), std::string("add"), c10::IValue(),
+                              c10::IValue(std::string("relu")), none, c10::IValue()};
+          inplace.callBoxed(&q);
+        }, 2));
+        ours_in.push_back(best_ms([&] {
+          imgtrain::ops::gemm_linear(x2, panels, s.cout, b, imgtrain::ops::GemmAct::ReLU, ro, false, true);
+        }, 2));
+      }
+      const double gf = 2e-6 * double(M) * double(s.cin) * double(s.cout);
+      const double diff = (yd - yo.reshape({B, s.hw, s.hw, s.cout}).permute({0, 3, 1, 2})).abs().max().item<double>();
+      const double td = median(dnn), to = median(ours);
+      std::printf("%2ld x %2ld, %4ld -> %4ld (x%ld): oneDNN %6.2f (%5.1f) ours %6.2f (%5.1f) %.3fx", long(s.hw),
+                  long(s.hw), long(s.cin), long(s.cout), long(s.count), td, gf / td, to, gf / to, td / to);
+      if (s.residual) {
+        const double ti = median(dnn_in), tj = median(ours_in);
+        std::printf(" | in place: oneDNN %6.2f (%5.1f) ours %6.2f (%5.1f) %.3fx", ti, gf / ti, tj, gf / tj, ti / tj);
+        total_dnn += ti * double(s.count), total_ours += tj * double(s.count);
+      } else {
+        total_dnn += td * double(s.count), total_ours += to * double(s.count);
+      }
+      std::printf(" | max diff %.1e\n", diff);
+    }
+    std::printf("one forward's 1x1 convolutions as the model runs them: oneDNN %.1f ms, ours %.1f ms (%.3fx)\n",
+                total_dnn, total_ours, total_dnn / total_ours);
   }
 }
