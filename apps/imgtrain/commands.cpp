@@ -243,7 +243,9 @@ int pack(const std::vector<std::string>& args) {
       "out", "Output folder (one sub-folder per split)", cxxopts::value<std::string>())(
       "shard-size", "Bytes per shard (e.g. 1GB, 256MB)", cxxopts::value<std::string>()->default_value("1GB"))(
       "max-size", "Re-encode (JPEG q90) images whose long side exceeds this (0: copy as is)",
-      cxxopts::value<int>()->default_value("0"))("h,help", "Show this help");
+      cxxopts::value<int>()->default_value("0"))(
+      "overwrite", "Remove the .tar files the output folders already hold (else a folder with any is refused)")(
+      "h,help", "Show this help");
   auto parsed = parse_command(opts, "pack", args);
   if (!parsed) return 0;
   auto& r = *parsed;
@@ -262,6 +264,7 @@ int pack(const std::vector<std::string>& args) {
   }
   po.shard_size = parse_size(r["shard-size"].as<std::string>());
   po.max_size = r["max-size"].as<int>();
+  po.overwrite = r.count("overwrite") > 0;
   if (po.max_size < 0) throw UserError(fmt::format("--max-size {}: expected 0 or a positive size", po.max_size));
   po.log = [](const std::string& line) { std::printf("%s\n", line.c_str()); };
   auto res = data::pack_image_folder(po);

@@ -323,6 +323,28 @@ PackResult pack_image_folder(const PackOptions& o) {
     if (fs::is_directory(fs::path(o.data_dir) / s, ec))
       splits.emplace_back((fs::path(o.data_dir) / s).string(), (fs::path(o.out) / s).string());
   if (splits.empty()) splits.emplace_back(o.data_dir, o.out);
+  // Shards already in an output folder would be read with the new ones (a second pack into the same
+  // --out trained on both sets): refused, or removed first with --overwrite, before anything is written
+  for (auto& [in, out_dir] : splits) {
+    std::vector<fs::path> old;
+    for (auto& e : fs::directory_iterator(out_dir, ec)) {
+      const auto name = e.path().filename().string();
+      const bool tmp = name.size() > 8 && name.compare(name.size() - 8, 8, ".tar.tmp") == 0;
+      if ((e.path().extension() == ".tar" || tmp) && !e.is_directory()) old.push_back(e.path());
+    }
+    if (old.empty()) continue;
+    if (!o.overwrite)
+      throw UserError(fmt::format("--out: '{}' already holds {} .tar file(s), which would be read with the new "
+                                  "shards; give an empty folder, or --overwrite to remove them first",
+                                  out_dir, old.size()));
+    for (auto& f : old) {
+      std::error_code rec;
+      if (!fs::remove(f, rec) || rec)
+        throw UserError(fmt::format("--overwrite: cannot remove '{}' ({})", f.string(), rec ? rec.message() : "gone"));
+    }
+    if (o.log) o.log(fmt::format("{}: removed {} earlier .tar file(s) (--overwrite)", out_dir, old.size()));
+  }
+  ec.clear();
   PackResult res;
   for (auto& [in, out_dir] : splits) {
     auto ds = create_dataset("", in, "");

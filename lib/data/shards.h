@@ -35,13 +35,16 @@ struct PackOptions {
   std::string out;               // output folder: <out>/<split>/shard-000000.tar ...
   uint64_t shard_size = 1ull << 30;
   int max_size = 0;              // > 0: re-encode (JPEG q90) images whose long side exceeds it
+  bool overwrite = false;        // remove the .tar files an output folder holds first (else refused)
   std::function<void(const std::string&)> log;
 };
 struct PackResult {
   int64_t samples = 0, shards = 0, reencoded = 0, skipped = 0;
 };
 // Writes each split found under data_dir (train, validation, ... by timm's folder names; or
-// data_dir itself when it is a split) as shards. Unreadable images are skipped and counted.
+// data_dir itself when it is a split) as shards. Unreadable images are skipped and counted. An
+// output folder that already holds .tar files is refused (the readers would take them as part of
+// the dataset) unless `overwrite`, which removes them before anything is written.
 PackResult pack_image_folder(const PackOptions& o);
 
 }  // namespace imgtrain::data

@@ -804,6 +804,20 @@ TEST_CASE("pack writes tar shards that read back as the same samples", "[data][s
   CHECK(small.reencoded > 0);
   auto st = create_dataset("", dir / "small", "train");
   for (size_t i = 0; i < st->size(); ++i) CHECK(std::max(st->image(i).rows, st->image(i).cols) <= 45);
+  // Packing again into a folder that holds shards is refused before anything is written (the reader
+  // would take the old shards with the new ones); --overwrite removes them first, also a leftover .tmp
+  po.out = dir / "out";
+  po.max_size = 0;
+  po.shard_size = 1ull << 30;  // one shard: the old ones past it would linger
+  CHECK_THROWS_WITH(pack_image_folder(po), Catch::Contains("already holds") && Catch::Contains("--overwrite"));
+  CHECK(find_shards(dir / "out/train") == shards);
+  test::write_file(dir / "out/train/shard-000099.tar.tmp", "partial");
+  po.overwrite = true;
+  auto again = pack_image_folder(po);
+  CHECK(again.shards == 1);
+  CHECK(find_shards(dir / "out/train").size() == 1);
+  CHECK_FALSE(std::filesystem::exists(dir / "out/train/shard-000099.tar.tmp"));
+  CHECK(create_dataset("", dir / "out", "train")->size() == 30);
 }
 
 TEST_CASE("a corrupt image inside a shard is skipped and counted, and a truncated shard keeps what precedes", "[data][shards][fault]") {
@@ -841,6 +855,7 @@ TEST_CASE("a corrupt image inside a shard is skipped and counted, and a truncate
   CHECK(list_tar(shard, &err).size() == 12);
   CHECK_THAT(err, Catch::Contains("cut short"));
   // an intact shard reports nothing
+  po.overwrite = true;
   pack_image_folder(po);
   err.clear();
   CHECK(list_tar(find_shards(dir / "out/train").at(0), &err).size() == 24);
