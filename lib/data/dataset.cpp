@@ -406,7 +406,16 @@ cv::Mat decode_image(const std::string& bytes, const std::string& what) {
   if (raw.empty() && format.empty())
     throw DecodeError(fmt::format("cannot decode '{}': not an image (no known image header)", what));
   if (raw.empty()) throw DecodeError(fmt::format("cannot decode '{}': truncated or corrupt {}", what, format));
-  if (raw.depth() == CV_16U) raw.convertTo(raw, CV_8U, 1.0 / 257.0);
+  if (raw.depth() == CV_16U && raw.channels() >= 3) {  // PIL opens 16-bit RGB(A) as 8-bit: each sample's high byte
+    cv::Mat high(raw.rows, raw.cols, CV_MAKETYPE(CV_8U, raw.channels()));
+    for (int y = 0; y < raw.rows; ++y) {
+      const uint16_t* s = raw.ptr<uint16_t>(y);
+      uint8_t* d = high.ptr<uint8_t>(y);
+      for (int i = 0; i < raw.cols * raw.channels(); ++i) d[i] = uint8_t(s[i] >> 8);
+    }
+    raw = high;
+  }
+  if (raw.depth() == CV_16U) raw.convertTo(raw, CV_8U, 1.0 / 257.0);  // grayscale: scaled (PIL's convert clips)
   if (raw.depth() != CV_8U) throw DecodeError(fmt::format("cannot decode '{}': unsupported pixel depth", what));
   cv::Mat out;
   switch (raw.channels()) {

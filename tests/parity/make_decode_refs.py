@@ -3,7 +3,7 @@
 Writes <out>/<name>.<ext> and <out>/<name>.npy-like raw references as safetensors
 (<out>/decode_refs.safetensors: one uint8 HWC tensor per file, PIL's decode).
 """
-import io, os, sys
+import io, os, struct, sys, zlib
 
 import numpy as np
 import torch
@@ -51,4 +51,16 @@ add('frames.gif', frames[0], save_all=True, append_images=frames[1:], duration=1
 g16 = (base[..., 0].astype(np.uint16) * 257 + rng.integers(0, 257, (h, w))).astype(np.uint16)
 Image.fromarray(g16).save(os.path.join(out, 'gray16.png'))
 refs['gray16.png'] = torch.from_numpy(np.round(g16 / 257.0).astype(np.uint8))
+# 16-bit RGB PNG (written by hand: PIL does not write one): PIL opens it as RGB, each sample's high
+# byte, and that is the reference.
+rgb16 = (base.astype(np.uint16) * 256 + rng.integers(0, 256, base.shape)).astype('>u2')
+rows = b''.join(b'\x00' + rgb16[y].tobytes() for y in range(h))
+def chunk(kind, payload):
+    return struct.pack('>I', len(payload)) + kind + payload + struct.pack('>I', zlib.crc32(kind + payload) & 0xffffffff)
+with open(os.path.join(out, 'rgb16.png'), 'wb') as f:
+    f.write(b'\x89PNG\r\n\x1a\n' + chunk(b'IHDR', struct.pack('>IIBBBBB', w, h, 16, 2, 0, 0, 0)) +
+            chunk(b'IDAT', zlib.compress(rows)) + chunk(b'IEND', b''))
+with Image.open(os.path.join(out, 'rgb16.png')) as im:
+    assert im.mode == 'RGB', im.mode
+    refs['rgb16.png'] = torch.from_numpy(np.asarray(im.convert('RGB')).copy())
 save_file(refs, os.path.join(out, 'decode_refs.safetensors'))
