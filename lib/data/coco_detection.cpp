@@ -122,8 +122,10 @@ int64_t CocoDetection::category_of_label(int64_t label) const {
   return std::binary_search(cat_ids_.begin(), cat_ids_.end(), label) ? label : -1;
 }
 
-BoxTarget CocoDetection::target(size_t i) const {
+BoxTarget CocoDetection::target(size_t i, cv::Size image) const {
   const auto& im = image_info(i);
+  const uint32_t width = image.width > 0 ? uint32_t(image.width) : im.width;
+  const uint32_t height = image.height > 0 ? uint32_t(image.height) : im.height;
   std::vector<float> boxes;
   std::vector<int64_t> labels;
   BoxTarget t;
@@ -133,11 +135,11 @@ BoxTarget CocoDetection::target(size_t i) const {
     if (ann.iscrowd) continue;  // ignore regions: the evaluator's business, not a training target
     const int64_t label = label_of_category(ann.category_id);
     if (label < 0) continue;  // the reader already counted annotations of unknown categories
-    const auto b = clamped_box(ann.bbox, im.width, im.height);
+    const auto b = clamped_box(ann.bbox, width, height);
     if (!(b[3] > b[1] && b[2] > b[0])) continue;  // torchvision's keep
     boxes.insert(boxes.end(), b.begin(), b.end());
     labels.push_back(label);
-    if (opt_.masks) t.masks.push_back(coco::ann_to_rle(ann, im.height, im.width));
+    if (opt_.masks) t.masks.push_back(coco::ann_to_rle(ann, height, width));
   }
   const int64_t n = int64_t(labels.size());
   t.boxes = torch::from_blob(boxes.data(), {n, 4}, torch::kFloat).clone();

@@ -33,7 +33,7 @@ class CocoDetection : public Dataset {
   bool encoded(size_t i, std::string& bytes) const override;
   std::string describe(size_t i) const override;
   bool has_targets() const override { return true; }
-  BoxTarget target(size_t i) const override;
+  BoxTarget target(size_t i, cv::Size image = {}) const override;
   cv::Size image_size(size_t i) const override;
   // Background included: K + 1 (contiguous) or the largest category id + 1.
   int64_t num_classes() const override;

@@ -35,9 +35,11 @@ class Dataset {
   virtual std::vector<size_t> shard_starts() const { return {}; }
   virtual std::string describe(size_t i) const = 0;
   // Detection datasets: each sample's target (boxes, labels, masks as RLE) and its image size
-  // from the annotations (no decoding; the aspect-ratio grouping reads it).
+  // from the annotations (no decoding; the aspect-ratio grouping reads it). `image`: the decoded
+  // image's size, which the boxes are clamped to and the masks drawn at (torchvision's
+  // ConvertCocoPolysToMask), where it is known; else the annotations' size.
   virtual bool has_targets() const { return false; }
-  virtual BoxTarget target(size_t i) const { return {}; }
+  virtual BoxTarget target(size_t i, cv::Size image = {}) const { return {}; }
   virtual cv::Size image_size(size_t i) const { return {}; }
   virtual int64_t num_classes() const = 0;
   virtual std::vector<std::string> class_names() const = 0;

@@ -359,7 +359,16 @@ Batch Loader::make_detection_batch(size_t begin, size_t end) {
       ds_->encoded(i, bytes);
       img = decode_image(bytes, ds_->describe(i));  // the whole image: the model resizes it
       if (img.channels() == 1 && tc_.channels == 3) cv::cvtColor(img, img, cv::COLOR_GRAY2RGB);  // PIL's convert("RGB")
-      t = ds_->target(i);
+      // the target fits the decoded image, as torchvision's; annotations that give another size
+      // (edited by hand, or the image replaced) are warned once per image
+      if (const auto said = ds_->image_size(i); said.width > 0 && said != img.size()) {
+        std::lock_guard<std::mutex> lk(warn_mu_);
+        if (size_warned_.insert(i).second)
+          log::warn("'{}': the image is {}x{} but its annotations say {}x{}; boxes are clamped to and masks drawn at "
+                    "the image's size",
+                    ds_->describe(i), img.cols, img.rows, said.width, said.height);
+      }
+      t = ds_->target(i, img.size());
       if (tc_.train && !tc_.no_aug) {
         if (tc_.lsj_size > 0) {  // ScaleJitter, FixedSizeCrop (fill: the references' mean 123, 117, 104)
           const double lo = tc_.lsj_scale[0], hi = tc_.lsj_scale[1];

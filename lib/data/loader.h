@@ -150,6 +150,7 @@ class Loader {
   std::vector<std::thread> threads_;
   mutable std::mutex warn_mu_;
   std::set<size_t> warned_;        // warned by name once per loader
+  std::set<size_t> size_warned_;   // detection images whose annotations give another size, warned once
   std::set<size_t> skipped_epoch_;  // unreadable this epoch
 };
 

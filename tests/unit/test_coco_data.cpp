@@ -1,6 +1,7 @@
 // COCO detection data: the training view of an instances json (torchvision's coco_utils rules),
 // the standard layout, aspect-ratio grouping and the loader's detection batches.
 #include "core/error.h"
+#include "core/log.h"
 #include "data/coco_detection.h"
 #include "data/loader.h"
 #include "tasks/detection/evaluator.h"
@@ -336,6 +337,40 @@ TEST_CASE("an unreadable COCO image is skipped and counted", "[data][coco]") {
   CHECK(l.skipped_this_epoch() == 1);
   CHECK(b->targets.size() == 2);
   CHECK(b->images.size(0) == 2);
+}
+
+TEST_CASE("a COCO image whose annotations give another size: the target fits the decoded image, warned once",
+          "[data][coco]") {
+  CocoFolder f;
+  // image 7's annotations say 60x40; the file is 80x50 (torchvision's ConvertCocoPolysToMask clamps
+  // to and rasterises at the decoded image's size)
+  cv::imwrite(f.dir / "train2017/7.png", cv::Mat(50, 80, CV_8UC3, cv::Scalar(0, 0, 0)));
+  auto ds = open_coco(f.dir.path.string(), "train", "", {.train = false});
+  REQUIRE(ds->image_size(0) == cv::Size(30, 50));  // id order 3, 4, 5, 7, 9
+  REQUIRE(ds->image_size(3) == cv::Size(60, 40));
+  CHECK(ds->target(3).boxes.size(0) == 2);  // the annotations' size: the box at x 70 is outside
+  const auto t = ds->target(3, cv::Size(80, 50));
+  CHECK(torch::equal(t.boxes, torch::tensor({2.f, 1.f, 12.f, 9.f, 0.f, 30.f, 15.f, 50.f, 70.f, 5.f, 74.f, 9.f}).view({3, 4})));
+  REQUIRE(t.masks.size() == 3);
+  CHECK((t.masks[0].h == 50 && t.masks[0].w == 80));
+  test::TempDir logs("cocolog");
+  log::set_file(logs / "log.txt");
+  TransformConfig tc;
+  tc.train = false;
+  LoaderOptions lo;
+  lo.batch_size = 1;
+  lo.workers = 0;
+  lo.shuffle = false;
+  Loader l(ds, tc, lo);
+  for (int epoch = 0; epoch < 2; ++epoch) {
+    l.start_epoch(epoch);
+    while (auto b = l.next())
+      if (b->targets.at(0).image_id == 7) CHECK(torch::equal(b->targets[0].boxes, t.boxes));
+  }
+  log::set_file("");
+  const auto text = test::read_file(logs / "log.txt");
+  CHECK_THAT(text, Catch::Contains("7.png': the image is 80x50 but its annotations say 60x40"));
+  CHECK(text.find("the image is") == text.rfind("the image is"));  // once, not every epoch
 }
 
 TEST_CASE("rle_hflip mirrors the mask", "[data][coco]") {
