@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 #include <yaml-cpp/yaml.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <memory>
@@ -566,6 +567,12 @@ void apply_yaml(Config& c, Command cmd, const std::string& path) {
     for (auto& w : warnings) log::warn("{}", w);
     return;
   }
+  {  // a key given twice (also as batch-size and batch_size): PyYAML keeps the last silently
+    std::set<std::string> seen;
+    for (auto it : root)
+      if (const std::string key = key_of(it.first.as<std::string>()); !seen.insert(key).second)
+        throw UserError(fmt::format("--config '{}': key '{}' appears more than once; give it once", path, key));
+  }
   for (auto it : root) {
     std::string key = key_of(it.first.as<std::string>());
     const Flag* flag = nullptr;
@@ -738,9 +745,18 @@ void refuse_unknown_flags(const std::vector<std::string>& args, const std::vecto
       if (short_flags.find(a[1]) != std::string::npos) continue;
       flag = a.substr(1);
     }
-    if (std::find(known.begin(), known.end(), flag) == known.end())
-      throw UserError(fmt::format("unknown flag '{}' for {} (did you mean --{}?)", a.substr(0, a.find('=')), command,
-                                  closest_names(flag, known, 1).at(0)));
+    if (std::find(known.begin(), known.end(), flag) != known.end()) continue;
+    // a suggestion only where it is near (a typo: at most a third of its letters off); a timm
+    // option imgtrain lacks is said to be one; else the command's help
+    const std::string head = flag.substr(0, 64);
+    const auto best = closest_names(head, known, 1);
+    std::string hint = fmt::format("see {} --help", command);
+    const auto& timm = timm_train_defaults();
+    if (!best.empty() && edit_distance(head, best[0], 64) <= std::max<size_t>(2, best[0].size() / 3))
+      hint = fmt::format("did you mean --{}?", best[0]);
+    else if (std::any_of(timm.begin(), timm.end(), [&](auto& e) { return key_of(flag) == e.first; }))
+      hint = fmt::format("a timm option imgtrain does not implement; see {} --help", command);
+    throw UserError(fmt::format("unknown flag '{}' for {} ({})", a.substr(0, a.find('=')), command, hint));
   }
 }
 
@@ -918,9 +934,10 @@ void check_flags_for_task(const Config& c, const std::string& task, const std::s
     if (c.was_given(f))
       throw UserError(fmt::format("--{} applies to classification models only; --model {} is a {} model", f, model,
                                   task));
+  // (a -c file's value counts only where it departs from the default: every args.yaml names both)
   if (c.data_augmentation != "lsj")
     for (const char* f : {"lsj-size", "lsj-scale"})
-      if (c.was_given(f) || c.in_file.count(f))
+      if (c.was_given(f))
         throw UserError(fmt::format("--{} applies with --data-augmentation lsj only (it is {})", f,
                                     c.data_augmentation));
 }

@@ -37,7 +37,7 @@ bool wildcard_match(const std::string& p, const std::string& s) {
 #if defined(__clang__)
 __attribute__((no_sanitize("coverage")))
 #endif
-static size_t edit_distance(const std::string& a, const std::string& b, size_t limit) {
+size_t edit_distance(const std::string& a, const std::string& b, size_t limit) {
   std::vector<size_t> prev(b.size() + 1), cur(b.size() + 1);
   for (size_t j = 0; j <= b.size(); ++j) prev[j] = j;
   for (size_t i = 1; i <= a.size(); ++i) {

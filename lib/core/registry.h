@@ -1,5 +1,6 @@
 // A name -> entry registry with shell-style wildcard listing and "did you mean" suggestions.
 #pragma once
+#include <cstdint>
 #include <map>
 #include <string>
 #include <vector>
@@ -8,6 +9,8 @@ namespace imgtrain {
 
 // fnmatch-style match supporting '*' and '?' (what `imgtrain models 'resnet*'` takes).
 bool wildcard_match(const std::string& pattern, const std::string& name);
+// The edit distance (Levenshtein) between a and b; once every path exceeds `limit`, some value above it.
+size_t edit_distance(const std::string& a, const std::string& b, size_t limit = SIZE_MAX);
 // Up to `n` names closest to `name` by edit distance (ties broken by name).
 std::vector<std::string> closest_names(const std::string& name, const std::vector<std::string>& names,
                                        size_t n = 3);

@@ -96,6 +96,11 @@ TEST_CASE("config file sets defaults and the command line overrides them", "[cli
   // Dashed keys are accepted as well as timm's underscored ones.
   test::write_file(d / "dash.yaml", "batch-size: 16\n");
   CHECK(train({"-c", d / "dash.yaml"}).batch_size == 16);
+  // a key given twice, in either spelling, is refused (PyYAML would keep the last without a word)
+  test::write_file(d / "twice.yaml", "model: resnet18\nepochs: 1\nepochs: 2\n");
+  CHECK_THAT(error_of({"-c", d / "twice.yaml"}), Catch::Contains("key 'epochs' appears more than once"));
+  test::write_file(d / "twice2.yaml", "batch_size: 8\nbatch-size: 16\n");
+  CHECK_THAT(error_of({"-c", d / "twice2.yaml"}), Catch::Contains("key 'batch_size' appears more than once"));
 }
 
 TEST_CASE("args.yaml written by a run is accepted back by -c", "[cli]") {
@@ -131,6 +136,12 @@ TEST_CASE("bad values name the flag, the value and what is accepted", "[cli]") {
   CHECK_THAT(error_of({"--device", "cuda:x"}), Catch::Contains("cuda:N"));
   CHECK_THAT(error_of({"--pin-mem=maybe"}), Catch::Contains("true or false"));
   CHECK_THAT(error_of({"--epoch", "3"}), Catch::Contains("unknown flag '--epoch'") && Catch::Contains("--epochs"));
+  // a suggestion only where it is near; a timm option imgtrain lacks is said to be one
+  CHECK_THAT(error_of({"--no-prefetcher"}), Catch::Contains("a timm option imgtrain does not implement") &&
+                                                !Catch::Contains("did you mean"));
+  CHECK_THAT(error_of({"--frobnicate-widgets"}), Catch::Contains("see imgtrain train --help") &&
+                                                     !Catch::Contains("did you mean"));
+  CHECK_THAT(error_of({"--warmup-epoch", "3"}), Catch::Contains("did you mean --warmup-epochs?"));
   CHECK_THAT(error_of({"stray"}), Catch::Contains("'stray'"));
   CHECK_THAT(error_of({"--crop-mode", "fit"}, Command::Validate), Catch::Contains("center, squash, border"));
   CHECK_THAT(error_of({"--interpolation", "cubic"}, Command::Validate),
@@ -654,6 +665,18 @@ TEST_CASE("large-scale jitter: --data-augmentation lsj with its size and scale r
   CHECK_THAT(error_of({"--data-augmentation", "mosaic"}), Catch::Contains("lsj"));
   CHECK_THROWS_WITH(imgtrain::cli::check_flags_for_task(train({"--model", "maskrcnn_resnet18_fpn", "--lsj-size", "64"}),
                                                        "detection", "maskrcnn_resnet18_fpn"),
+                    Catch::Contains("--lsj-size applies with --data-augmentation lsj only"));
+  // a detection run's args.yaml (it names --lsj-size and --lsj-scale at their defaults) repeats the
+  // run; a file that sets them to something else without lsj is refused as the command line is
+  test::TempDir d("cli");
+  const auto run = train({"--model", "maskrcnn_resnet18_fpn", "--min-size", "64", "--max-size", "96"});
+  test::write_file(d / "args.yaml", imgtrain::cli::to_yaml(Command::Train, run));
+  const auto back = train({"-c", d / "args.yaml"});
+  CHECK_NOTHROW(imgtrain::cli::check_flags_for_task(back, "detection", "maskrcnn_resnet18_fpn"));
+  CHECK(imgtrain::cli::to_yaml(Command::Train, back) == imgtrain::cli::to_yaml(Command::Train, run));
+  test::write_file(d / "lsj.yaml", "model: maskrcnn_resnet18_fpn\nlsj_size: 64\n");
+  CHECK_THROWS_WITH(imgtrain::cli::check_flags_for_task(train({"-c", d / "lsj.yaml"}), "detection",
+                                                       "maskrcnn_resnet18_fpn"),
                     Catch::Contains("--lsj-size applies with --data-augmentation lsj only"));
 }
 
