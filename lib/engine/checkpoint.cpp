@@ -66,6 +66,7 @@ std::map<std::string, std::string> CheckpointMeta::to_metadata() const {
   put_int("epoch", epoch);
   put_int("num_updates", num_updates);
   put_int("recovery_update", recovery_update);
+  put_int("epoch_updates", epoch_updates);
   put_double("metric", metric);
   put_double("best_metric", best_metric);
   put_int("best_epoch", best_epoch);
@@ -134,6 +135,7 @@ CheckpointMeta CheckpointMeta::from_metadata(const std::map<std::string, std::st
   m.epoch = get_int("epoch");  // the training position: checked where it is used (require_training)
   m.num_updates = get_int("num_updates");
   m.recovery_update = get_int("recovery_update");
+  m.epoch_updates = get_int("epoch_updates");
   m.metric = get_double("metric");
   m.best_metric = get_double("best_metric");
   m.best_epoch = get_int("best_epoch");
@@ -211,6 +213,7 @@ void Checkpoint::require_training(const std::string& flag, const std::string& ar
   if (*meta_.num_updates < 0) throw bad("num_updates", *meta_.num_updates, "an integer >= 0");
   if (meta_.recovery_update && *meta_.recovery_update < 0)
     throw bad("recovery_update", *meta_.recovery_update, "an integer >= 0");
+  if (meta_.epoch_updates && *meta_.epoch_updates < 1) throw bad("epoch_updates", *meta_.epoch_updates, "an integer >= 1");
   if (meta_.best_epoch && *meta_.best_epoch < -1) throw bad("best_epoch", *meta_.best_epoch, "an integer >= -1");
   if (!meta_.plateau.empty() && !parse_plateau(meta_.plateau))
     throw UserError(fmt::format("{} '{}': metadata 'plateau' is '{}', expected '<lr> <best metric> <epochs without "

@@ -45,6 +45,7 @@ struct CheckpointMeta {
   // the training position
   std::optional<int64_t> epoch, num_updates;
   std::optional<int64_t> recovery_update;  // a mid-epoch checkpoint: the last update done
+  std::optional<int64_t> epoch_updates;    // and the updates in an epoch of the run that wrote it
   std::optional<double> metric, best_metric;
   std::optional<int64_t> best_epoch;
   std::string plateau;  // the plateau scheduler's "lr best num_bad"

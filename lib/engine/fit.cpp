@@ -42,6 +42,7 @@ struct Run {
   std::unique_ptr<ModelEma> ema;
   std::string args_yaml;
   int64_t num_updates = 0;
+  int64_t updates_per_epoch = 0;  // recorded in mid-epoch checkpoints
   torch::Device device = torch::kCPU;  // a CUDA run also saves and restores that device's generator
 
   // One checkpoint file: everything --resume needs to continue exactly.
@@ -51,6 +52,7 @@ struct Run {
     meta.epoch = epoch;
     meta.num_updates = num_updates;
     meta.recovery_update = recovery_update;
+    if (recovery_update) meta.epoch_updates = updates_per_epoch;
     meta.metric = metric;
     meta.best_metric = best_metric;
     meta.best_epoch = best_epoch;
@@ -268,6 +270,7 @@ int fit(const cli::Config& given_cfg, torch::Device device, dist::Context* ctx) 
   const int64_t updates_per_epoch =
       int64_t((train_loader.num_batches() + size_t(cfg.grad_accum_steps) - 1) / size_t(cfg.grad_accum_steps));
   build_optimizer(r, cfg, world, updates_per_epoch);
+  r.updates_per_epoch = updates_per_epoch;
   optim::Scheduler& scheduler = *r.scheduler;
   const int64_t num_epochs = scheduler.num_epochs();
 
@@ -299,6 +302,14 @@ int fit(const cli::Config& given_cfg, torch::Device device, dist::Context* ctx) 
   CheckpointSaver saver(run.dir(), cfg.checkpoint_hist, /*decreasing=*/eval_metric == "loss");
   const std::string resumed_from = resume_from ? resume_from->path() : "";
   const bool resumed_from_recovery = resume_from && resume_from->meta().recovery_update.has_value();
+  // a mid-epoch point counts updates of its run's epoch: with another batch size (accumulation,
+  // process count, data) the same count is another place in the epoch, skipping or repeating samples
+  if (const auto n = resumed_from_recovery ? resume_from->meta().epoch_updates : std::nullopt;
+      n && *n != updates_per_epoch)
+    throw UserError(fmt::format("--resume '{}': a mid-epoch recovery point of a run with {} updates per epoch, but an "
+                                "epoch here has {} (another batch size, --grad-accum-steps, process count or data); "
+                                "resume with that run's settings, or from an end-of-epoch checkpoint",
+                                resumed_from, *n, updates_per_epoch));
   ResumePoint rp = resume(r, cfg, std::move(resume_from), saver);
   if (rp.start_update > updates_per_epoch)  // a recovery point past the end of an epoch of this data
     throw UserError(fmt::format("--resume '{}': metadata 'recovery_update' is {}, but an epoch here has {} updates "
@@ -360,8 +371,8 @@ int fit(const cli::Config& given_cfg, torch::Device device, dist::Context* ctx) 
   else
     log::info("Scheduled epochs: {}. LR stepped per {}.", num_epochs, scheduler.on_updates() ? "update" : "epoch");
   // timm's default --warmup-epochs 5 on a short run: the whole run warms up and never reaches --lr
-  // (timm does the same, silently)
-  if (!cfg.max_iter && !cfg.warmup_iters && !cfg.warmup_prefix && cfg.sched != "none" && cfg.warmup_epochs > 0 &&
+  // (timm does the same, silently); said by rank 0 alone, as every rank has the same schedule
+  if (rank == 0 && !cfg.max_iter && !cfg.warmup_iters && !cfg.warmup_prefix && cfg.sched != "none" && cfg.warmup_epochs > 0 &&
       cfg.warmup_epochs >= num_epochs && start_epoch < num_epochs)
     log::warn("--warmup-epochs {} is not shorter than the {} scheduled epoch(s): the whole run is learning-rate "
               "warm-up from --warmup-lr {} and never reaches the learning rate (timm does the same); give "
