@@ -32,10 +32,14 @@ namespace {
 // only talk to the program through a lock-free flag.
 std::atomic<int> g_stop_signal{0};
 std::atomic<bool> g_exit_until_work{false}, g_work_started{false};
+std::atomic<bool> g_our_launcher{false};  // this process is a worker of imgtrain's own launcher
 
-void on_stop_signal(int sig) {
+void on_stop_signal(int sig, siginfo_t* info, void*) {
   g_stop_signal.store(sig);
   if (g_exit_until_work.load() && !g_work_started.load()) {
+    // sent by imgtrain's launcher that started this worker (a sibling failed, or it forwards a stop
+    // it has already said): its line tells why, this one would mislead
+    if (g_our_launcher.load() && info && info->si_code == SI_USER && info->si_pid == getppid()) _exit(128 + sig);
     static const char msg[] = "imgtrain: stopped by a signal before the first update (nothing to save)\n";
     if (write(STDERR_FILENO, msg, sizeof msg - 1) < 0) {}
     _exit(128 + sig);
@@ -207,8 +211,10 @@ bool launched_worker() {
 
 void install_stop_handlers(bool exit_until_work) {
   g_exit_until_work.store(exit_until_work);
+  g_our_launcher.store(std::getenv("IMGTRAIN_ERROR_FD") != nullptr);  // set by launch() for its workers
   struct sigaction sa {};
-  sa.sa_handler = on_stop_signal;
+  sa.sa_sigaction = on_stop_signal;
+  sa.sa_flags = SA_SIGINFO;
   sigemptyset(&sa.sa_mask);
   sigaction(SIGINT, &sa, nullptr);
   sigaction(SIGTERM, &sa, nullptr);

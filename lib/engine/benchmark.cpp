@@ -494,6 +494,7 @@ int benchmark_detection(const cli::Config& cfg, torch::Device device) {
 
 int benchmark(const cli::Config& cfg) {
   bench_slowdown();  // a malformed test hook is refused before anything runs
+  require_writable(cfg.results_file, "--results-file");
   if (cfg.bench == "data" || cfg.bench == "data-eval") return benchmark_data(cfg);
   if (model_zoo::model_task(cfg.model) == "detection") {
     if (cfg.cuda_graph)

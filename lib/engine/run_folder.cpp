@@ -347,6 +347,12 @@ void write_png(const std::string& path, int width, int height, const unsigned ch
   const std::string tmp = path + fmt::format(".tmp.{}", ::getpid());
   {
     std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+    if (!f) {  // a missing or read-only folder: said as such, not as a full disk
+      std::error_code ec;
+      const auto dir = fs::path(path).parent_path();
+      throw UserError(fmt::format("cannot write '{}': {}", path,
+                                  !dir.empty() && !fs::is_directory(dir, ec) ? "no such folder" : "cannot create the file"));
+    }
     f << png;
     if (!f.flush()) {
       std::error_code ec;

@@ -171,6 +171,17 @@ double round_to(double v, int digits) {
   return std::nearbyint(v * s) / s;
 }
 
+void require_writable(const std::string& path, const char* flag) {
+  if (path.empty()) return;
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec))
+    throw UserError(fmt::format("{} '{}': a folder; give a file name", flag, path));
+  const bool existed = std::filesystem::exists(path, ec);
+  if (!std::ofstream(path, std::ios::app))
+    throw UserError(fmt::format("{} '{}': cannot write the file (does its folder exist?)", flag, path));
+  if (!existed) std::filesystem::remove(path, ec);
+}
+
 void write_results(const std::string& path, const std::string& format, const nlohmann::ordered_json& row) {
   if (path.empty()) return;
   std::ofstream f(path);

@@ -93,6 +93,9 @@ at::Tensor model_input(const at::Tensor& nhwc_u8, torch::Device dev, const std::
 
 // UserError "<flag> '<path>': cannot open the file" unless `path` is empty or a regular file.
 void require_file(const std::string& path, const char* flag);
+// UserError "<flag> '<path>': ..." unless `path` is empty or a file that can be written (checked
+// before the work whose result goes there; a file that did not exist is not left behind).
+void require_writable(const std::string& path, const char* flag);
 // Python's round(v, digits), as timm rounds its result rows.
 double round_to(double v, int digits);
 // --results-file: one result row as csv (header + values) or json; nothing when `path` is empty.

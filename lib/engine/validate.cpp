@@ -23,6 +23,7 @@ int validate(const cli::Config& cfg) {
     throw UserError("validate needs --checkpoint FILE, --pretrained or --pretrained-path FILE");
   require_file(cfg.checkpoint, "--checkpoint");
   require_file(cfg.pretrained_path, "--pretrained-path");
+  require_writable(cfg.results_file, "--results-file");  // before the evaluation, not after it
   const auto device = resolve_device(cfg.device, cfg.tf32);
   std::optional<Checkpoint> ck;
   if (!cfg.checkpoint.empty()) ck = Checkpoint::read(cfg.checkpoint);

@@ -9,6 +9,11 @@
 
 #include <fmt/ranges.h>
 
+#include <algorithm>
+#include <cstdlib>
+#include <optional>
+#include <string_view>
+
 namespace imgtrain::tasks {
 namespace {
 
@@ -129,12 +134,16 @@ TaskSetup classification_validate_setup(const cli::Config& cfg, const engine::Ch
     gp = *m.global_pool;
     gp_from = fmt::format("'{}': metadata 'global_pool'", cfg.checkpoint);
   }
-  if (!o.img_size) {
-    o.img_size = m.img_size;  // a checkpoint's own training size and eval crop
-    if (o.img_size && !o.crop_pct) o.crop_pct = m.crop_pct;
+  bool size_from_checkpoint = false;
+  if (!o.img_size && m.img_size) {  // a checkpoint's own training size and eval crop
+    o.img_size = m.img_size;
+    size_from_checkpoint = true;
+    if (!o.crop_pct) o.crop_pct = m.crop_pct;
   }
-  if (!o.img_size && !cfg.use_train_size && defaults.test_input_size) {  // timm: the test size by default
-    o.img_size = defaults.test_input_size;
+  // timm (resolve_data_config with use_test_size): the test size unless --img-size, and the test
+  // crop unless --crop-pct, also with --img-size
+  if (!cfg.use_train_size && !size_from_checkpoint) {
+    if (!o.img_size && defaults.test_input_size) o.img_size = defaults.test_input_size;
     if (!o.crop_pct && defaults.test_crop_pct > 0) o.crop_pct = defaults.test_crop_pct;
   }
   s.data = engine::resolve_data_config(o, defaults);
@@ -195,6 +204,11 @@ std::shared_ptr<data::CocoDetection> open_detection_split(const cli::Config& cfg
     ds = by_id;
   }
   for (auto& w : ds->warnings()) log::warn("{}", w);
+  if (!train && std::none_of(ds->coco().annotations.begin(), ds->coco().annotations.end(),
+                             [](const auto& a) { return !a.iscrowd; }))
+    log::warn("the {} split has no annotations to score against: every AP is -1 (pycocotools' value), so no "
+              "checkpoint is better than another by it",
+              split);
   if (ds->removed_images())
     log::info("{}: {} image(s) without a usable annotation left out of training", split, ds->removed_images());
   return ds;
@@ -228,6 +242,19 @@ model_zoo::detection::RCNNOptions rcnn_options(const cli::Config& cfg, int64_t n
   o.mask_head_dim = cfg.mask_head_dim;
   o.mask_head_convs = cfg.mask_head_convs;
   return o;
+}
+
+// The value of a top-level `key: value` line of an args.yaml that imgtrain wrote, or nullopt.
+std::optional<std::string> args_value(const std::string& args, const std::string& key) {
+  size_t pos = 0;
+  while (pos < args.size()) {
+    const size_t eol = std::min(args.find('\n', pos), args.size());
+    const std::string_view line(args.data() + pos, eol - pos);
+    if (line.size() > key.size() + 2 && line.substr(0, key.size()) == key && line.substr(key.size(), 2) == ": ")
+      return std::string(line.substr(key.size() + 2));
+    pos = eol + 1;
+  }
+  return std::nullopt;
 }
 
 double eval_min_size(const cli::Config& cfg) { return cfg.min_size_test.value_or(cfg.min_size.back()); }
@@ -332,6 +359,16 @@ TaskSetup detection_validate_setup(const cli::Config& given, const engine::Check
     restore("box-sampling-ratio", cfg.box_sampling_ratio, meta->box_sampling_ratio);
     restore("roi-align-v2", cfg.roi_align_v2, meta->roi_align_v2);
     restore("mask-convention", cfg.mask_convention, meta->mask_convention);
+    // and the resize it was evaluated at in training (its metadata's img_size: the eval min size;
+    // --max-size from its args.yaml), unless a flag names them
+    auto named = [&](const char* flag) { return cfg.was_given(flag) || cfg.in_file.count(flag) > 0; };
+    if (meta->img_size && !named("min-size") && !named("min-size-test")) cfg.min_size_test = double(*meta->img_size);
+    if (!named("max-size"))
+      if (const auto v = args_value(meta->args, "max_size")) {
+        char* end = nullptr;
+        const double d = std::strtod(v->c_str(), &end);
+        if (end != v->c_str() && *end == '\0' && d > 0) cfg.max_size = d;
+      }
   }
   TaskSetup s;
   const bool masks = model_zoo::detection::rcnn_has_mask(arch);
@@ -352,6 +389,7 @@ TaskSetup detection_validate_setup(const cli::Config& given, const engine::Check
   o.max_size = cfg.max_size;
   o.eval_data = eval;
   o.results_path = cfg.results_file.empty() ? "" : cfg.results_file + ".detections.json";
+  engine::require_writable(o.results_path, "--results-file (its detections)");
   s.task = std::make_unique<DetectionTask>(std::move(o));
   s.eval_transform.channels = 3;
   s.eval_transform.min_sizes = {int64_t(eval_min_size(cfg))};

@@ -346,6 +346,15 @@ TEST_CASE("user errors give one clear line and exit code 2", "[integration]") {
                               (d / "garbage.safetensors")),
                     "not a valid safetensors file");
   expect_user_error(test::run(kBin + " models nosuchmodel"), "no model matches");
+  // a --results-file that cannot be written: refused before the evaluation or benchmark, and no file left
+  for (const std::string& cmd : {"validate --model resnet18 --data-dir " + data + " --pretrained-path " +
+                                    (d / "garbage.safetensors"),
+                                std::string("benchmark --model resnet18 --bench inference")}) {
+    expect_user_error(test::run(kBin + " " + cmd + " --device cpu --results-file " + (d / "nowhere/r.json")),
+                      "--results-file '" + (d / "nowhere/r.json") + "': cannot write the file");
+    expect_user_error(test::run(kBin + " " + cmd + " --device cpu --results-file " + d.path.string()),
+                      "a folder; give a file name");
+  }
   expect_user_error(test::run(kBin + " train --device cpu --data-dir " + data + " --resume auto"), "--experiment");
   expect_user_error(test::run(kBin + " train --device cpu --data-dir " + data + " --nproc-per-node 2 --nnodes 2"),
                     "--master-port");
@@ -712,6 +721,17 @@ TEST_CASE("resume is exact: 2 epochs straight equal 1 + resume + 1, and a mid-ep
   expect_same_state(out / "straight/last.safetensors", out / "split/last.safetensors");
   REQUIRE(fs::exists(out / "kept.safetensors"));
   CHECK(engine::Checkpoint::read_meta(out / "kept.safetensors").recovery_update == 8);
+  CHECK(engine::Checkpoint::read_meta(out / "kept.safetensors").epoch_updates == 10);
+  // another batch size: update 8 of 5 per epoch is no place in this epoch, refused before anything moves
+  {  // (after the set-up lines: the epoch's length is known once the data and batch size are)
+    auto o = test::run(kBin + args + " -b 40 --epochs 2 --experiment other --resume " + (out / "kept.safetensors"));
+    INFO(o.output);
+    CHECK(o.code == 2);
+    CHECK_THAT(o.output, Catch::Contains("imgtrain: error: --resume '" + (out / "kept.safetensors") +
+                                         "': a mid-epoch recovery point of a run with 10 updates per epoch, but an "
+                                         "epoch here has 5"));
+    CHECK_THAT(o.output, !Catch::Contains("Train: "));
+  }
   auto r = test::run(kBin + args + " --epochs 2 --experiment rec --resume " + (out / "kept.safetensors"));
   INFO(r.output);
   REQUIRE(r.code == 0);
@@ -757,6 +777,7 @@ TEST_CASE("log lines carry an ETA, a terminal also gets a live progress line, fi
   CHECK(fs::file_size(out / "both.png") > 1000);
   expect_user_error(test::run(kBin + " plot " + (out / "nothing-here")), "no run with a readable summary.csv");
   expect_user_error(test::run(kBin + " plot " + (out / "pipe") + " -o x.jpg"), "ending in .png");
+  expect_user_error(test::run(kBin + " plot " + (out / "pipe") + " -o " + (out / "nowhere/x.png")), "no such folder");
   CHECK(std::regex_search(p.output, std::regex(R"(Train: 0 \[   4/10 .*  ETA epoch 0:\d\d:\d\d, run 0:\d\d:\d\d\n)")));
   CHECK(p.output.find('\033') == std::string::npos);
   // a terminal (script(1) gives the process a pty): the live line between log lines, cleared
@@ -1438,8 +1459,9 @@ TEST_CASE("Mask R-CNN trains on COCO data, logs its losses, resumes exactly and 
   CHECK(torch::equal(*exported.find("roi_heads.mask_head.1.0.weight"), *a.find("model.roi_heads.mask_head.1.0.weight")));
 
   // validate reproduces the last epoch's numbers, and pycocotools scores the written detections the same
+  // (the resize, --min-size 96 --max-size 160, taken from the checkpoint as the widths are)
   auto v = test::run(kBin + " validate --checkpoint " + run + "/last.safetensors --dataset coco --data-dir " + data +
-                     " --min-size 96 --max-size 160 --rpn-pre-nms-top-n-test 300 --rpn-post-nms-top-n-test 300"
+                     " --rpn-pre-nms-top-n-test 300 --rpn-post-nms-top-n-test 300"
                      " -b 2 --device cpu --results-file " + (out / "val.json") + " --results-format json");
   INFO(v.output);
   REQUIRE(v.code == 0);
@@ -1630,6 +1652,23 @@ TEST_CASE("validate reports what timm validate.py reports on JPEG and PNG photos
       CHECK(got["interpolation"] == want["interpolation"]);
       CHECK(avg_loss(r.output) == fmt::format("{:.4f}", want["loss"].get<double>()));
     }
+  }
+
+  {  // --img-size without --crop-pct: timm keeps the model's test crop (resnet50's 1.0), whatever the size
+    const std::string st = d / "resnet50.safetensors";
+    auto py = test::run(tv + "resnet50 " + st + " " + d.path.string() + " val 10 8 --img-size 160");
+    INFO(py.output);
+    REQUIRE(py.code == 0);
+    const auto want = last_json_line(py.output);
+    CHECK(want["crop_pct"].get<double>() == 1.0);
+    auto r = test::run(kBin + " validate --device cpu -j 2 -b 8 --model resnet50 --num-classes 10 --img-size 160 --data-dir " +
+                       d.path.string() + " --split val --pretrained-path " + st + " --results-file " + (d / "r.json") +
+                       " --results-format json");
+    INFO(r.output);
+    REQUIRE(r.code == 0);
+    const auto got = nlohmann::json::parse(test::read_file(d / "r.json"));
+    for (const char* k : {"top1", "top5", "img_size", "crop_pct"}) CHECK(got[k].dump() == want[k].dump());
+    CHECK(avg_loss(r.output) == fmt::format("{:.4f}", want["loss"].get<double>()));
   }
 
   // A model trained by imgtrain and exported: timm's validation of the export gives the same numbers.

@@ -1,5 +1,6 @@
 #include "tasks/detection/coco_eval.h"
 
+#include "core/error.h"
 #include "core/parallel.h"
 
 #include <algorithm>
@@ -13,6 +14,8 @@
 #include <stdexcept>
 #include <thread>
 #include <unordered_map>
+
+#include <fmt/format.h>
 
 namespace imgtrain::coco {
 
@@ -484,7 +487,7 @@ void write_results_json(const std::string& path, const std::vector<Detection>& d
   const std::string text = results_json(dets);
   std::ofstream f(path, std::ios::binary | std::ios::trunc);
   if (!f || !f.write(text.data(), std::streamsize(text.size())) || !f.flush())
-    throw std::runtime_error(path + ": cannot write the results json");
+    throw UserError(fmt::format("'{}': cannot write the results json", path));
 }
 
 }  // namespace imgtrain::coco
