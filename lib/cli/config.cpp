@@ -748,14 +748,18 @@ void refuse_unknown_flags(const std::vector<std::string>& args, const std::vecto
     if (std::find(known.begin(), known.end(), flag) != known.end()) continue;
     // a suggestion only where it is near (a typo: at most a third of its letters off); a timm
     // option imgtrain lacks is said to be one; else the command's help
+    // (timm's --input-size is imgtrain's --img-size: half its letters off)
     const std::string head = flag.substr(0, 64);
     const auto best = closest_names(head, known, 1);
+    const size_t distance = best.empty() ? SIZE_MAX : edit_distance(head, best[0], 64);
     std::string hint = fmt::format("see {} --help", command);
     const auto& timm = timm_train_defaults();
-    if (!best.empty() && edit_distance(head, best[0], 64) <= std::max<size_t>(2, best[0].size() / 3))
+    if (!best.empty() && distance <= std::max<size_t>(2, best[0].size() / 3))
       hint = fmt::format("did you mean --{}?", best[0]);
     else if (std::any_of(timm.begin(), timm.end(), [&](auto& e) { return key_of(flag) == e.first; }))
-      hint = fmt::format("a timm option imgtrain does not implement; see {} --help", command);
+      hint = !best.empty() && distance <= best[0].size() / 2
+                 ? fmt::format("a timm option imgtrain does not implement; the nearest of its own: --{}", best[0])
+                 : fmt::format("a timm option imgtrain does not implement; see {} --help", command);
     throw UserError(fmt::format("unknown flag '{}' for {} ({})", a.substr(0, a.find('=')), command, hint));
   }
 }

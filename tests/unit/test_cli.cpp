@@ -142,6 +142,8 @@ TEST_CASE("bad values name the flag, the value and what is accepted", "[cli]") {
   CHECK_THAT(error_of({"--frobnicate-widgets"}), Catch::Contains("see imgtrain train --help") &&
                                                      !Catch::Contains("did you mean"));
   CHECK_THAT(error_of({"--warmup-epoch", "3"}), Catch::Contains("did you mean --warmup-epochs?"));
+  CHECK_THAT(error_of({"--input-size", "3", "32", "32"}),
+             Catch::Contains("a timm option imgtrain does not implement; the nearest of its own: --img-size"));
   CHECK_THAT(error_of({"stray"}), Catch::Contains("'stray'"));
   CHECK_THAT(error_of({"--crop-mode", "fit"}, Command::Validate), Catch::Contains("center, squash, border"));
   CHECK_THAT(error_of({"--interpolation", "cubic"}, Command::Validate),
