@@ -245,6 +245,8 @@ int pack(const std::vector<std::string>& args) {
       "max-size", "Re-encode (JPEG q90) images whose long side exceeds this (0: copy as is)",
       cxxopts::value<int>()->default_value("0"))(
       "overwrite", "Remove the .tar files the output folders already hold (else a folder with any is refused)")(
+      "input-key", "The file extensions read, ';'-separated (default: timm's .png;.jpg;.jpeg)",
+      cxxopts::value<std::string>()->default_value(""))(
       "h,help", "Show this help");
   auto parsed = parse_command(opts, "pack", args);
   if (!parsed) return 0;
@@ -265,6 +267,8 @@ int pack(const std::vector<std::string>& args) {
   po.shard_size = parse_size(r["shard-size"].as<std::string>());
   po.max_size = r["max-size"].as<int>();
   po.overwrite = r.count("overwrite") > 0;
+  po.input_key = r["input-key"].as<std::string>();
+  data::folder_extensions(po.input_key);  // checked before any folder is touched
   if (po.max_size < 0) throw UserError(fmt::format("--max-size {}: expected 0 or a positive size", po.max_size));
   po.log = [](const std::string& line) { std::printf("%s\n", line.c_str()); };
   auto res = data::pack_image_folder(po);

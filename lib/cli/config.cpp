@@ -213,6 +213,8 @@ const std::vector<Flag>& flags() {
       {"dataset", "", &Config::dataset,
        "Dataset type: '' (ImageFolder), fashion-mnist, or coco (DIR/{split}2017 + DIR/annotations/instances_{split}2017.json)",
        BOTH | BENCH, {"", "fashion-mnist", "coco"}},
+      {"input-key", "", &Config::input_key,
+       "ImageFolder: the file extensions read, ';'-separated (default: timm's .png;.jpg;.jpeg)", BOTH | BENCH},
       {"train-split", "", &Config::train_split, "Training split folder", TRAIN | BENCH},
       {"val-split", "", &Config::val_split, "Validation split folder", TRAIN},
       {"split", "", &Config::split, "Split to validate", VALIDATE},

@@ -117,6 +117,7 @@ struct Config {
   std::string data_dir;
   std::string dataset;
   std::string train_split = "train";
+  std::string input_key;  // timm --input-key: an ImageFolder's extensions, ";"-separated
   std::string val_split = "validation";
   std::string split = "validation";  // validate
   int64_t workers = 4;

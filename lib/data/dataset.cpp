@@ -475,17 +475,27 @@ class FashionMnist : public Dataset {
   std::vector<uint8_t> pixels_, labels_;
 };
 
-bool is_image_file(const fs::path& p) {
+std::string lower_extension(const fs::path& p) {
   std::string ext = p.extension().string();
   std::transform(ext.begin(), ext.end(), ext.begin(), [](unsigned char c) { return std::tolower(c); });
-  return ext == ".jpg" || ext == ".jpeg" || ext == ".png" || ext == ".bmp" || ext == ".webp" || ext == ".gif";
+  return ext;
 }
 
-// One class folder's image files (recursively, sorted) and every directory seen with its mtime.
+// Extensions imgtrain decodes that timm's reader leaves out unless --input-key names them: files
+// with these are counted and named in a warning, other files (notes, labels) are passed over.
+bool decodable_extension(const std::string& ext) {
+  static const std::set<std::string> known = {".png", ".jpg", ".jpeg", ".bmp", ".webp", ".gif", ".tif",
+                                              ".tiff", ".jpe", ".jfif", ".ppm", ".pgm", ".pbm", ".pnm"};
+  return known.count(ext) > 0;
+}
+
+// One class folder's image files (recursively) and every directory seen with its mtime.
 struct ClassScan {
   std::vector<std::string> files;
   std::vector<std::pair<std::string, int64_t>> dirs;
   std::vector<std::string> skipped_links;  // folders reached a second time (link loops, other classes)
+  std::vector<std::string> nested;         // images below a sub-folder of the class folder
+  std::map<std::string, size_t> other_extensions;  // image files of extensions not read, by extension
 };
 
 using FolderId = std::pair<uint64_t, uint64_t>;  // (device, inode)
@@ -504,7 +514,7 @@ int64_t mtime_ns(const fs::path& p) {
 // One class folder, recursively, following folder links. A folder is entered once: `seen` starts
 // with the split folder and every class folder, so a link back up (a loop) or into another class
 // (its images would get this class's label) is skipped and reported, and the scan stays finite.
-ClassScan scan_class(const fs::path& dir, std::set<FolderId> seen) {
+ClassScan scan_class(const fs::path& dir, std::set<FolderId> seen, const std::vector<std::string>& extensions) {
   ClassScan out;
   std::error_code ec;
   out.dirs.emplace_back(dir.string(), mtime_ns(dir));
@@ -520,11 +530,16 @@ ClassScan scan_class(const fs::path& dir, std::set<FolderId> seen) {
         continue;
       }
       out.dirs.emplace_back(it->path().string(), mtime_ns(it->path()));
-    } else if (it->is_regular_file(ec) && is_image_file(it->path())) {
-      out.files.push_back(it->path().string());
+    } else if (it->is_regular_file(ec)) {
+      const std::string ext = lower_extension(it->path());
+      if (std::find(extensions.begin(), extensions.end(), ext) != extensions.end()) {
+        out.files.push_back(it->path().string());
+        if (it.depth() > 0) out.nested.push_back(it->path().string());
+      } else if (decodable_extension(ext)) {
+        ++out.other_extensions[ext];
+      }
     }
   }
-  std::sort(out.files.begin(), out.files.end());
   return out;
 }
 
@@ -543,7 +558,8 @@ std::string scan_cache_path(const std::string& folder) {
 
 class ImageFolder : public Dataset {
  public:
-  explicit ImageFolder(const std::string& folder) : folder_(folder) {
+  ImageFolder(const std::string& folder, std::vector<std::string> extensions)
+      : folder_(folder), extensions_(std::move(extensions)) {
     std::error_code ec;
     if (!fs::is_directory(folder, ec)) throw UserError(fmt::format("data folder '{}' does not exist", folder));
     const std::string cache = scan_cache_path(folder);
@@ -555,8 +571,9 @@ class ImageFolder : public Dataset {
       const size_t min_files = m && *m ? size_t(std::strtoull(m, nullptr, 10)) : 10000;
       if (!cache.empty() && samples_.size() >= min_files) save_cache(cache);
     }
+    for (auto& w : warnings_) log::warn("{}", w);
     if (samples_.empty())
-      throw UserError(fmt::format("no images (jpg, jpeg, png, bmp, webp, gif) in class subfolders of '{}'", folder));
+      throw UserError(fmt::format("no images ({}) in class subfolders of '{}'", fmt::join(extensions_, ", "), folder));
   }
   size_t size() const override { return samples_.size(); }
   int64_t label(size_t i) const override { return samples_[i].second; }
@@ -574,48 +591,94 @@ class ImageFolder : public Dataset {
   std::vector<std::string> class_names() const override { return classes_; }
 
  private:
-  // Class folders scanned in parallel (many requests in flight help on network storage).
+  // Class folders scanned in parallel (many requests in flight help on network storage). Classes
+  // and samples in timm's order: natural_less of the class names and of the image paths.
   void scan() {
     std::error_code ec;
     classes_.clear();
     samples_.clear();
     dirs_.clear();
+    warnings_.clear();
     dirs_.emplace_back(folder_, mtime_ns(folder_));
-    for (auto& entry : fs::directory_iterator(folder_, ec))
-      if (entry.is_directory()) classes_.push_back(entry.path().filename().string());
-    std::sort(classes_.begin(), classes_.end());
+    std::vector<std::string> loose;  // images directly in the split folder
+    std::map<std::string, size_t> other;
+    for (auto& entry : fs::directory_iterator(folder_, ec)) {
+      if (entry.is_directory()) {
+        classes_.push_back(entry.path().filename().string());
+      } else if (entry.is_regular_file()) {
+        const std::string ext = lower_extension(entry.path());
+        if (std::find(extensions_.begin(), extensions_.end(), ext) != extensions_.end())
+          loose.push_back(entry.path().filename().string());
+      }
+    }
+    std::sort(classes_.begin(), classes_.end(), natural_less);
+    std::sort(loose.begin(), loose.end(), natural_less);
     std::vector<ClassScan> found(classes_.size());
     std::set<FolderId> tops;  // the split folder and every class folder
     if (auto id = folder_id(folder_)) tops.insert(*id);
     for (auto& c : classes_)
       if (auto id = folder_id(fs::path(folder_) / c)) tops.insert(*id);
-    parallel_for(classes_.size(), 16, [&](size_t c) { found[c] = scan_class(fs::path(folder_) / classes_[c], tops); });
+    parallel_for(classes_.size(), 16,
+                 [&](size_t c) { found[c] = scan_class(fs::path(folder_) / classes_[c], tops, extensions_); });
     // A folder with no image files is not a class (timm's reader labels images, not folders): it
     // would shift every later label and widen the classifier. Its directories stay in dirs_, so
     // the scan cache notices an image added to it.
-    std::vector<std::string> links, kept, empty;
+    std::vector<std::string> links, kept, empty, nested;
     for (size_t c = 0; c < classes_.size(); ++c) {
       (found[c].files.empty() ? empty : kept).push_back(classes_[c]);
       for (auto& f : found[c].files) samples_.emplace_back(std::move(f), int64_t(kept.size()) - 1);
       for (auto& d : found[c].dirs) dirs_.push_back(std::move(d));
       for (auto& l : found[c].skipped_links) links.push_back(std::move(l));
+      for (auto& n : found[c].nested) nested.push_back(std::move(n));
+      for (auto& [e, n] : found[c].other_extensions) other[e] += n;
+    }
+    std::stable_sort(samples_.begin(), samples_.end(),
+                     [](const auto& x, const auto& y) { return natural_less(x.first, y.first); });
+    std::sort(nested.begin(), nested.end(), natural_less);
+    if (!other.empty()) {
+      size_t n = 0;
+      std::vector<std::string> counts, wider = extensions_;
+      for (auto& [e, k] : other) {
+        n += k;
+        counts.push_back(fmt::format("{} {}", e, k));
+        wider.push_back(e);
+      }
+      const bool timm_default = extensions_ == folder_extensions("");
+      warnings_.push_back(fmt::format("{}: {} image file(s) with extensions {} were skipped ({}); --input-key '{}' "
+                                      "reads them too",
+                                      folder_, n,
+                                      timm_default ? "timm's ImageFolder does not read" : "--input-key does not name",
+                                      fmt::join(counts, ", "), fmt::join(wider, ";")));
     }
     if (!kept.empty() && !empty.empty())
-      log::warn("{}: {} subfolder(s) hold no images (jpg, jpeg, png, bmp, webp, gif) and are not classes, as in timm "
-                "(first: {})",
-                folder_, empty.size(), empty.front());
+      warnings_.push_back(fmt::format("{}: {} subfolder(s) hold no images ({}) and are not classes, as in timm "
+                                      "(first: {})",
+                                      folder_, empty.size(), fmt::join(extensions_, ", "), empty.front()));
+    if (!loose.empty())
+      warnings_.push_back(fmt::format("{}: {} image(s) directly in the split folder belong to no class folder and "
+                                      "were skipped (first: {}); timm's reader makes them a class named ''",
+                                      folder_, loose.size(), loose.front()));
+    if (!nested.empty())
+      warnings_.push_back(fmt::format("{}: {} image(s) lie in sub-folders of their class folder (first: {}): "
+                                      "imgtrain labels them by the class folder, as torchvision's ImageFolder does; "
+                                      "timm's reader labels each by its innermost folder's name",
+                                      folder_, nested.size(), nested.front()));
     classes_ = std::move(kept);
     if (!links.empty())
-      log::warn("{}: {} linked folder(s) lead back into the split or into another class and were skipped (first: {})",
-                folder_, links.size(), links.front());
+      warnings_.push_back(fmt::format("{}: {} linked folder(s) lead back into the split or into another class and "
+                                      "were skipped (first: {})",
+                                      folder_, links.size(), links.front()));
   }
   // The cache holds every directory with its mtime (adding or removing a file changes its
-  // folder's), the classes and the files; it is used only if every directory is unchanged.
+  // folder's), the extensions read, the classes, the files and the scan's warnings; it is used
+  // only if every directory is unchanged.
+  static constexpr const char* kCacheVersion = "imgtrain-scan 2";
   bool load_cache(const std::string& path) {
     std::ifstream f(path);
     std::string line;
-    if (!f || !std::getline(f, line) || line != "imgtrain-scan 1") return false;
+    if (!f || !std::getline(f, line) || line != kCacheVersion) return false;
     if (!std::getline(f, line) || line != folder_) return false;
+    if (!std::getline(f, line) || line != fmt::format("{}", fmt::join(extensions_, ";"))) return false;
     auto count = [&] {
       size_t n = 0;
       f >> n;
@@ -637,40 +700,99 @@ class ImageFolder : public Dataset {
       if (!number_and_text(v) || v < 0 || v >= int64_t(classes_.size())) return reset();
       samples_.emplace_back(line, v);
     }
+    for (size_t i = 0, n = count(); i < n && std::getline(f, line); ++i) warnings_.push_back(line);
     return bool(f) ? true : reset();
   }
   bool reset() {
     classes_.clear();
     samples_.clear();
     dirs_.clear();
+    warnings_.clear();
     return false;
   }
   void save_cache(const std::string& path) const {
     for (auto& [p, c] : samples_)
       if (p.find('\n') != std::string::npos) return;  // the line format cannot hold it
+    for (auto& w : warnings_)
+      if (w.find('\n') != std::string::npos) return;
     std::error_code ec;
     fs::create_directories(fs::path(path).parent_path(), ec);
     const std::string tmp = path + ".tmp" + std::to_string(::getpid());
     {
       std::ofstream f(tmp);
-      f << "imgtrain-scan 1\n" << folder_ << "\n" << dirs_.size() << "\n";
+      f << kCacheVersion << "\n" << folder_ << "\n" << fmt::format("{}", fmt::join(extensions_, ";")) << "\n";
+      f << dirs_.size() << "\n";
       for (auto& [d, t] : dirs_) f << t << " " << d << "\n";
       f << classes_.size() << "\n";
       for (auto& c : classes_) f << c << "\n";
       f << samples_.size() << "\n";
       for (auto& [p, c] : samples_) f << c << " " << p << "\n";
+      f << warnings_.size() << "\n";
+      for (auto& w : warnings_) f << w << "\n";
       if (!f) return;  // a cache that cannot be written is only a slower next start
     }
     fs::rename(tmp, path, ec);
   }
 
   std::string folder_;
+  std::vector<std::string> extensions_;  // lower-case, with the dot
   std::vector<std::string> classes_;
   std::vector<std::pair<std::string, int64_t>> samples_;
   std::vector<std::pair<std::string, int64_t>> dirs_;
+  std::vector<std::string> warnings_;  // said at every open, also from the cache
 };
 
 }  // namespace
+
+bool natural_less(std::string_view a, std::string_view b) {
+  auto digit = [](char c) { return c >= '0' && c <= '9'; };
+  auto lower = [](char c) { return (unsigned char)(c >= 'A' && c <= 'Z' ? c - 'A' + 'a' : c); };
+  size_t i = 0, j = 0;
+  for (;;) {
+    // a text run (maybe empty), compared lower-cased, code unit by code unit
+    size_t ie = i, je = j;
+    while (ie < a.size() && !digit(a[ie])) ++ie;
+    while (je < b.size() && !digit(b[je])) ++je;
+    for (size_t k = 0; k < std::min(ie - i, je - j); ++k)
+      if (lower(a[i + k]) != lower(b[j + k])) return lower(a[i + k]) < lower(b[j + k]);
+    if (ie - i != je - j) return ie - i < je - j;
+    i = ie, j = je;
+    if (i == a.size() || j == b.size()) {
+      if (i == a.size() && j == b.size()) break;
+      return i == a.size();  // the shorter key first
+    }
+    // a digit run, compared as a number
+    while (ie < a.size() && digit(a[ie])) ++ie;
+    while (je < b.size() && digit(b[je])) ++je;
+    size_t is = i, js = j;
+    while (is + 1 < ie && a[is] == '0') ++is;
+    while (js + 1 < je && b[js] == '0') ++js;
+    if (ie - is != je - js) return ie - is < je - js;
+    for (; is < ie; ++is, ++js)
+      if (a[is] != b[js]) return a[is] < b[js];
+    i = ie, j = je;
+  }
+  return a < b;  // equal keys (case, leading zeros): byte order, so the order is always the same
+}
+
+std::vector<std::string> folder_extensions(const std::string& input_key) {
+  if (input_key.empty()) return {".png", ".jpg", ".jpeg"};  // timm's IMG_EXTENSIONS
+  std::vector<std::string> out;
+  size_t start = 0;
+  for (;;) {
+    const size_t end = input_key.find(';', start);
+    std::string e = input_key.substr(start, end == std::string::npos ? std::string::npos : end - start);
+    if (e.size() < 2 || e[0] != '.' || e.find('/') != std::string::npos)
+      throw UserError(fmt::format("--input-key '{}': for an ImageFolder it lists the file extensions to read, each "
+                                  "with its dot, ';'-separated (timm's default: .png;.jpg;.jpeg)",
+                                  input_key));
+    std::transform(e.begin(), e.end(), e.begin(), [](unsigned char c) { return std::tolower(c); });
+    if (std::find(out.begin(), out.end(), e) == out.end()) out.push_back(e);
+    if (end == std::string::npos) break;
+    start = end + 1;
+  }
+  return out;
+}
 
 void read_file_bytes(const std::string& path, std::string& bytes) {
   std::ifstream f(path, std::ios::binary | std::ios::ate);
@@ -706,7 +828,11 @@ std::string find_split_folder(const std::string& root, const std::string& split)
   return root;
 }
 
-std::shared_ptr<Dataset> create_dataset(const std::string& kind, const std::string& root, const std::string& split) {
+std::shared_ptr<Dataset> create_dataset(const std::string& kind, const std::string& root, const std::string& split,
+                                        const std::string& input_key) {
+  if (!input_key.empty() && !kind.empty())
+    throw UserError(fmt::format("--input-key picks an ImageFolder's file extensions; it has no effect with --dataset {}",
+                                kind));
   if (kind == "fashion-mnist") return std::make_shared<FashionMnist>(root.empty() ? kFashionMnistDir : root, split);
   if (!kind.empty()) throw UserError(fmt::format("--dataset '{}': expected '' (ImageFolder) or fashion-mnist", kind));
   if (root.empty()) throw UserError("--data-dir is required for an ImageFolder dataset (or use --dataset fashion-mnist)");
@@ -725,8 +851,12 @@ std::shared_ptr<Dataset> create_dataset(const std::string& kind, const std::stri
                 "as the classes",
                 root, split, fmt::join(splits, ", "));
   }
-  if (!find_shards(folder).empty()) return open_shards(folder);
-  return std::make_shared<ImageFolder>(folder);
+  if (!find_shards(folder).empty()) {
+    if (!input_key.empty())
+      throw UserError(fmt::format("--input-key picks an ImageFolder's file extensions; '{}' holds tar shards", folder));
+    return open_shards(folder);
+  }
+  return std::make_shared<ImageFolder>(folder, folder_extensions(input_key));
 }
 
 }  // namespace imgtrain::data

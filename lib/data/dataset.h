@@ -10,6 +10,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace imgtrain::data {
@@ -88,7 +89,18 @@ inline const char* kFashionMnistDir = "/usr/share/datasets/fashion-mnist";
 // kind: "" (ImageFolder, or tar shards when the split folder holds *.tar files) or
 // "fashion-mnist"; split: timm's split name (folder synonyms apply). COCO detection data is
 // opened by data::open_coco (data/coco_detection.h).
-std::shared_ptr<Dataset> create_dataset(const std::string& kind, const std::string& root, const std::string& split);
+// input_key: timm's --input-key, for an ImageFolder the ';'-separated file extensions read
+// (empty: timm's .png, .jpg, .jpeg); classes and images come in timm's order (natural_less).
+std::shared_ptr<Dataset> create_dataset(const std::string& kind, const std::string& root, const std::string& split,
+                                        const std::string& input_key = "");
+
+// timm's natural_key order (timm.utils.natural_key): lower-cased, runs of digits compared as
+// numbers ("class2" before "class10"); keys that tie in it fall back to byte order.
+bool natural_less(std::string_view a, std::string_view b);
+
+// The extensions an ImageFolder reads for --input-key (lower-cased, with the dot); a user error
+// for entries that are not extensions.
+std::vector<std::string> folder_extensions(const std::string& input_key);
 
 // timm's split-folder search: `split` itself, else its synonyms (train/training,
 // val/valid/validation/eval/evaluation), else the root.

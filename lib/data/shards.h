@@ -36,6 +36,7 @@ struct PackOptions {
   uint64_t shard_size = 1ull << 30;
   int max_size = 0;              // > 0: re-encode (JPEG q90) images whose long side exceeds it
   bool overwrite = false;        // remove the .tar files an output folder holds first (else refused)
+  std::string input_key;         // the extensions read (timm's --input-key; empty: .png, .jpg, .jpeg)
   std::function<void(const std::string&)> log;
 };
 struct PackResult {

@@ -45,8 +45,8 @@ TaskSetup classification_setup(const cli::Config& cfg, int64_t rank, int64_t wor
   TaskSetup s;
   const auto& defaults = model_zoo::model_defaults(cfg.model);  // unknown model fails before data loading
   s.data = engine::resolve_data_config({cfg.in_chans, cfg.img_size, cfg.crop_pct, cfg.interpolation, cfg.crop_mode}, defaults);
-  s.train = data::create_dataset(cfg.dataset, cfg.data_dir, cfg.train_split);
-  s.eval = data::create_dataset(cfg.dataset, cfg.data_dir, cfg.val_split);
+  s.train = data::create_dataset(cfg.dataset, cfg.data_dir, cfg.train_split, cfg.input_key);
+  s.eval = data::create_dataset(cfg.dataset, cfg.data_dir, cfg.val_split, cfg.input_key);
   const int64_t num_classes = cfg.num_classes.value_or(s.train->num_classes());
   check_labels(*s.train, num_classes, "train");
   check_labels(*s.eval, num_classes, "validation", cfg.num_classes ? "" : "the train split");
@@ -148,7 +148,7 @@ TaskSetup classification_validate_setup(const cli::Config& cfg, const engine::Ch
   }
   s.data = engine::resolve_data_config(o, defaults);
   const auto& dc = s.data;
-  s.eval = data::create_dataset(cfg.dataset, cfg.data_dir, cfg.split);
+  s.eval = data::create_dataset(cfg.dataset, cfg.data_dir, cfg.split, cfg.input_key);
   const int64_t num_classes = cfg.num_classes.value_or(m.num_classes.value_or(s.eval->num_classes()));
   check_labels(*s.eval, num_classes, cfg.split,
                cfg.num_classes || !m.num_classes ? "" : fmt::format("the checkpoint '{}'", cfg.checkpoint));
@@ -189,6 +189,8 @@ std::shared_ptr<data::CocoDetection> open_detection_split(const cli::Config& cfg
     throw UserError(fmt::format("--dataset '{}': detection models train on COCO-style data; use --dataset coco",
                                 cfg.dataset));
   if (cfg.data_dir.empty()) throw UserError("--data-dir: required (the COCO root with annotations/)");
+  if (!cfg.input_key.empty())
+    throw UserError("--input-key picks an ImageFolder's file extensions; it has no effect with --dataset coco");
   data::CocoOptions co;
   co.train = train;
   co.masks = masks;

@@ -64,3 +64,25 @@ with Image.open(os.path.join(out, 'rgb16.png')) as im:
     assert im.mode == 'RGB', im.mode
     refs['rgb16.png'] = torch.from_numpy(np.asarray(im.convert('RGB')).copy())
 save_file(refs, os.path.join(out, 'decode_refs.safetensors'))
+
+# An ImageFolder split with the names that order differently by bytes and by timm's natural_key
+# (digit runs, case, a class name that is a prefix of another), files of extensions timm does not
+# read, a class folder holding only such files, and an empty folder: timm's own scan of it is the
+# reference (folder_refs.txt: the classes in index order, then each sample's path and target).
+from timm.data.readers.reader_image_folder import find_images_and_targets
+
+split = os.path.join(out, 'folder', 'train')
+tiny = Image.fromarray(base[:4, :4])
+for rel in ['class10/img10.png', 'class10/img9.jpg', 'class10/IMG2.JPEG', 'class2/b.png', 'Class1/a.PNG',
+            'a01b/x.jpg', 'a1/y.jpg', 'a1 b/z.png', 'cat/1.png', 'cat2/2.png', 'zeta/keep.png',
+            'zeta/skip.webp', 'zeta/skip.bmp', 'zeta/skip.gif', 'onlywebp/w.webp']:
+    path = os.path.join(split, rel)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fmt = {'.png': 'PNG', '.jpg': 'JPEG', '.jpeg': 'JPEG', '.webp': 'WEBP', '.bmp': 'BMP', '.gif': 'GIF'}
+    tiny.save(path, format=fmt[os.path.splitext(rel)[1].lower()])
+os.makedirs(os.path.join(split, 'empty'), exist_ok=True)
+samples, class_to_idx = find_images_and_targets(split)
+with open(os.path.join(out, 'folder_refs.txt'), 'w') as f:
+    f.write('\t'.join(sorted(class_to_idx, key=class_to_idx.get)) + '\n')
+    for path, target in samples:
+        f.write(f'{os.path.relpath(path, split)}\t{target}\n')

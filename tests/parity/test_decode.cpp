@@ -4,6 +4,8 @@
 #include "test_util.h"
 
 #include <catch2/catch.hpp>
+#include <filesystem>
+#include <sstream>
 #include <torch/torch.h>
 
 using namespace imgtrain;
@@ -30,4 +32,30 @@ TEST_CASE("unusual image files decode as PIL decodes them", "[parity][decode]") 
     REQUIRE(ours.sizes() == want.sizes());  // EXIF orientation is not applied, as PIL's open()
     CHECK((ours.to(torch::kInt) - want.to(torch::kInt)).abs().max().item<int>() <= max_diff);
   }
+}
+
+TEST_CASE("ImageFolder finds timm's images, classes and order", "[parity][decode][folder]") {
+  // timm's find_images_and_targets on the same split (make_decode_refs.py): the extensions it reads,
+  // its class indices (natural_key of the names) and its sample order (natural_key of the paths).
+  const std::string dir = std::string(IMGTRAIN_PARITY_DIR) + "/decode";
+  std::istringstream refs(test::read_file(dir + "/folder_refs.txt"));
+  std::string classes_line, line;
+  REQUIRE(std::getline(refs, classes_line));
+  std::vector<std::string> want_classes, want, ours;
+  std::istringstream cl(classes_line);
+  for (std::string c; std::getline(cl, c, '\t');) want_classes.push_back(c);
+  while (std::getline(refs, line)) want.push_back(line);
+  REQUIRE(want.size() == 11);
+  std::shared_ptr<data::Dataset> ds;
+  test::TempDir tmp("folder_parity");
+  const auto err = test::stderr_of([&] { ds = data::create_dataset("", dir + "/folder", "train"); }, tmp);
+  REQUIRE(ds);
+  CHECK(ds->class_names() == want_classes);
+  const std::filesystem::path split = dir + "/folder/train";
+  for (size_t i = 0; i < ds->size(); ++i)
+    ours.push_back(std::filesystem::path(ds->describe(i)).lexically_relative(split).string() + "\t" +
+                   std::to_string(ds->label(i)));
+  CHECK(ours == want);
+  CHECK_THAT(err, Catch::Contains("4 image file(s) with extensions timm's ImageFolder does not read were skipped "
+                                  "(.bmp 1, .gif 1, .webp 2)"));
 }

@@ -124,30 +124,87 @@ TEST_CASE("ImageFolder scans classes, nested files and extensions", "[data][fold
   test::write_file(d / "train/apple/c.JPG", encode(make_image(20, 30, 2), ".jpg"));
   test::write_file(d / "train/apple/notes.txt", "not an image");
   test::write_file(d / "train/mango/d.bmp", encode(make_image(8, 8, 3), ".bmp"));
-  auto ds = create_dataset("", d.path.string(), "train");
-  CHECK(ds->class_names() == std::vector<std::string>{"apple", "mango", "zebra"});
-  REQUIRE(ds->size() == 4);
+  test::write_file(d / "train/zebra/e.webp", encode(make_image(8, 8, 4), ".webp"));
+  test::write_file(d / "train/loose.jpg", encode(make_image(8, 8, 5), ".jpg"));
+  std::shared_ptr<Dataset> ds;
+  const auto err = test::stderr_of([&] { ds = create_dataset("", d.path.string(), "train"); }, d);
+  // timm's extensions only (.png, .jpg, .jpeg, any case): mango's .bmp leaves it without images,
+  // so it is no class; what is skipped, and where imgtrain's labels are not timm's, is said
+  REQUIRE(ds);
+  CHECK(ds->class_names() == std::vector<std::string>{"apple", "zebra"});
+  REQUIRE(ds->size() == 3);
   std::vector<int64_t> labels;
   for (size_t i = 0; i < ds->size(); ++i) labels.push_back(ds->label(i));
-  CHECK(labels == std::vector<int64_t>{0, 0, 1, 2});
-  CHECK(ds->image(3).channels() == 3);
+  CHECK(labels == std::vector<int64_t>{0, 0, 1});
+  CHECK(ds->describe(0) == (d / "train/apple/c.JPG"));  // natural order of the paths: "c.jpg" < "deep/..."
+  CHECK(ds->image(2).channels() == 3);
+  CHECK_THAT(err, Catch::Contains("2 image file(s) with extensions timm's ImageFolder does not read were skipped "
+                                  "(.bmp 1, .webp 1); --input-key '.png;.jpg;.jpeg;.bmp;.webp' reads them too"));
+  CHECK_THAT(err, Catch::Contains("1 subfolder(s) hold no images (.png, .jpg, .jpeg) and are not classes, as in timm "
+                                  "(first: mango)"));
+  CHECK_THAT(err, Catch::Contains("1 image(s) directly in the split folder belong to no class folder and were "
+                                  "skipped (first: loose.jpg)"));
+  CHECK_THAT(err, Catch::Contains("1 image(s) lie in sub-folders of their class folder") &&
+                      Catch::Contains("deep/nested/b.PNG"));
+  CHECK(std::count(err.begin(), err.end(), '\n') == 4);
+  // --input-key (timm's): the extensions read, ';'-separated, compared lower-cased
+  auto wide = create_dataset("", d.path.string(), "train", ".png;.JPG;.bmp;.webp");
+  CHECK(wide->class_names() == std::vector<std::string>{"apple", "mango", "zebra"});
+  CHECK(wide->size() == 5);
+  for (auto bad : {"jpg", ".png;", ";.png", "."})
+    CHECK_THAT(user_error([&] { create_dataset("", d.path.string(), "train", bad); }),
+               Catch::Contains("--input-key") && Catch::Contains("each with its dot"));
+  CHECK_THAT(user_error([&] { create_dataset("fashion-mnist", "", "train", ".png"); }),
+             Catch::Contains("--input-key") && Catch::Contains("no effect with --dataset fashion-mnist"));
+  CHECK_THAT(user_error([&] { create_dataset("", d.path.string(), "train", ".gif"); }),
+             Catch::Contains("no images (.gif) in class subfolders"));
   // a subfolder without images is not a class (timm labels images, not folders), with a warning
   std::filesystem::create_directories(d / "train/aardvark");
   std::filesystem::create_directories(d / "train/kiwi/sub");
   test::write_file(d / "train/kiwi/readme.txt", "no images here");
+  std::filesystem::remove(d / "train/loose.jpg");
   std::shared_ptr<Dataset> with_empty;
-  const auto err = test::stderr_of([&] { with_empty = create_dataset("", d.path.string(), "train"); }, d);
+  const auto err2 = test::stderr_of([&] { with_empty = create_dataset("", d.path.string(), "train", ".png;.jpg"); }, d);
   REQUIRE(with_empty);
-  CHECK(with_empty->class_names() == std::vector<std::string>{"apple", "mango", "zebra"});
+  CHECK(with_empty->class_names() == std::vector<std::string>{"apple", "zebra"});
   std::vector<int64_t> labels2;
   for (size_t i = 0; i < with_empty->size(); ++i) labels2.push_back(with_empty->label(i));
   CHECK(labels2 == labels);
-  CHECK_THAT(err, Catch::Contains("2 subfolder(s) hold no images") && Catch::Contains("(first: aardvark)"));
-  CHECK(std::count(err.begin(), err.end(), '\n') == 1);
+  CHECK_THAT(err2, Catch::Contains("3 subfolder(s) hold no images (.png, .jpg) and are not classes, as in timm "
+                                   "(first: aardvark)"));
   // an image added to an empty folder makes it a class again
   test::write_file(d / "train/aardvark/e.png", png);
   CHECK(create_dataset("", d.path.string(), "train")->class_names() ==
-        std::vector<std::string>{"aardvark", "apple", "mango", "zebra"});
+        std::vector<std::string>{"aardvark", "apple", "zebra"});
+}
+
+TEST_CASE("ImageFolder orders classes and files as timm's natural_key does", "[data][folder]") {
+  // timm sorts class names and image paths by natural_key: lower-cased, digit runs as numbers
+  CHECK(natural_less("class2", "class10"));
+  CHECK(!natural_less("class10", "class2"));
+  CHECK(natural_less("apple", "Banana"));  // case folded: byte order would put 'B' first
+  CHECK(natural_less("a1", "a01b"));       // ['a', 1, ''] < ['a', 1, 'b']
+  CHECK(natural_less("ab", "ab1"));        // ['ab'] is the shorter list
+  CHECK(natural_less("a1", "a/x"));        // ['a', 1, ''] < ['a/x']: the text 'a' is a prefix of 'a/x'
+  CHECK(natural_less("img9.jpg", "img10.jpg"));
+  CHECK(natural_less("n01440764", "n01443537"));
+  CHECK(natural_less("x0099999999999999999999", "x100000000000000000000000"));  // longer than 64 bits
+  // ties in the key (case, leading zeros) fall back to byte order, so the order never varies
+  CHECK(natural_less("Cat", "cat"));
+  CHECK(natural_less("a007", "a7"));
+  CHECK(!natural_less("a7", "a7"));
+  test::TempDir d("natural");
+  auto png = encode(make_image(8, 8, 1), ".png");
+  for (auto f : {"class10/img10.png", "class10/img9.png", "class2/b.png", "Class1/a.png"})
+    test::write_file(d / (std::string("train/") + f), png);
+  auto ds = create_dataset("", d.path.string(), "train");
+  CHECK(ds->class_names() == std::vector<std::string>{"Class1", "class2", "class10"});
+  std::vector<std::string> names;
+  for (size_t i = 0; i < ds->size(); ++i)
+    names.push_back(std::filesystem::path(ds->describe(i)).lexically_relative(d / "train").string() + " " +
+                    std::to_string(ds->label(i)));
+  CHECK(names == std::vector<std::string>{"Class1/a.png 0", "class2/b.png 1", "class10/img9.png 2",
+                                          "class10/img10.png 2"});
 }
 
 TEST_CASE("ImageFolder follows folder links once: loops and links into other classes are skipped", "[data][folder][fault]") {
@@ -283,7 +340,9 @@ TEST_CASE("split folder synonyms and empty splits", "[data][folder]") {
   CHECK_THAT(err, Catch::Contains("has no 'nosuch' split folder") && Catch::Contains("(training, val)"));
   // and the image-less 'empty' folder is no class
   CHECK_THAT(err, Catch::Contains("1 subfolder(s) hold no images") && Catch::Contains("(first: empty)"));
-  CHECK(std::count(err.begin(), err.end(), '\n') == 2);
+  // and the images one folder down are labelled by 'training' / 'val' (timm's reader: by 'a')
+  CHECK_THAT(err, Catch::Contains("2 image(s) lie in sub-folders of their class folder"));
+  CHECK(std::count(err.begin(), err.end(), '\n') == 3);
   CHECK(whole->size() == 2);  // val/a/x.png and training/a/x.png as two classes
   CHECK(whole->class_names() == std::vector<std::string>{"training", "val"});
   CHECK_THAT(user_error([&] { create_dataset("", "", "train"); }), Catch::Contains("--data-dir"));
