@@ -118,6 +118,7 @@ struct Config {
   std::string dataset;
   std::string train_split = "train";
   std::string input_key;  // timm --input-key: an ImageFolder's extensions, ";"-separated
+  std::string class_map;  // timm --class-map: a .txt of class names, one a line
   std::string val_split = "validation";
   std::string split = "validation";  // validate
   int64_t workers = 4;

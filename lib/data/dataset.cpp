@@ -496,6 +496,7 @@ struct ClassScan {
   std::vector<std::string> skipped_links;  // folders reached a second time (link loops, other classes)
   std::vector<std::string> nested;         // images below a sub-folder of the class folder
   std::map<std::string, size_t> other_extensions;  // image files of extensions not read, by extension
+  std::vector<std::string> broken_links;            // links to nothing
 };
 
 using FolderId = std::pair<uint64_t, uint64_t>;  // (device, inode)
@@ -538,6 +539,8 @@ ClassScan scan_class(const fs::path& dir, std::set<FolderId> seen, const std::ve
       } else if (decodable_extension(ext)) {
         ++out.other_extensions[ext];
       }
+    } else if (it->is_symlink(ec) && !fs::exists(it->path(), ec)) {
+      out.broken_links.push_back(it->path().string());
     }
   }
   return out;
@@ -558,7 +561,7 @@ std::string scan_cache_path(const std::string& folder) {
 
 class ImageFolder : public Dataset {
  public:
-  ImageFolder(const std::string& folder, std::vector<std::string> extensions)
+  ImageFolder(const std::string& folder, std::vector<std::string> extensions, const std::string& class_map)
       : folder_(folder), extensions_(std::move(extensions)) {
     std::error_code ec;
     if (!fs::is_directory(folder, ec)) throw UserError(fmt::format("data folder '{}' does not exist", folder));
@@ -574,6 +577,7 @@ class ImageFolder : public Dataset {
     for (auto& w : warnings_) log::warn("{}", w);
     if (samples_.empty())
       throw UserError(fmt::format("no images ({}) in class subfolders of '{}'", fmt::join(extensions_, ", "), folder));
+    if (!class_map.empty()) apply_class_map(class_map);
   }
   size_t size() const override { return samples_.size(); }
   int64_t label(size_t i) const override { return samples_[i].second; }
@@ -623,13 +627,14 @@ class ImageFolder : public Dataset {
     // A folder with no image files is not a class (timm's reader labels images, not folders): it
     // would shift every later label and widen the classifier. Its directories stay in dirs_, so
     // the scan cache notices an image added to it.
-    std::vector<std::string> links, kept, empty, nested;
+    std::vector<std::string> links, kept, empty, nested, broken;
     for (size_t c = 0; c < classes_.size(); ++c) {
       (found[c].files.empty() ? empty : kept).push_back(classes_[c]);
       for (auto& f : found[c].files) samples_.emplace_back(std::move(f), int64_t(kept.size()) - 1);
       for (auto& d : found[c].dirs) dirs_.push_back(std::move(d));
       for (auto& l : found[c].skipped_links) links.push_back(std::move(l));
       for (auto& n : found[c].nested) nested.push_back(std::move(n));
+      for (auto& b : found[c].broken_links) broken.push_back(std::move(b));
       for (auto& [e, n] : found[c].other_extensions) other[e] += n;
     }
     std::stable_sort(samples_.begin(), samples_.end(),
@@ -663,11 +668,70 @@ class ImageFolder : public Dataset {
                                       "imgtrain labels them by the class folder, as torchvision's ImageFolder does; "
                                       "timm's reader labels each by its innermost folder's name",
                                       folder_, nested.size(), nested.front()));
+    if (!broken.empty()) {
+      std::sort(broken.begin(), broken.end(), natural_less);
+      warnings_.push_back(fmt::format("{}: {} link(s) lead to no file and were skipped (first: {})", folder_,
+                                      broken.size(), broken.front()));
+    }
     classes_ = std::move(kept);
     if (!links.empty())
       warnings_.push_back(fmt::format("{}: {} linked folder(s) lead back into the split or into another class and "
                                       "were skipped (first: {})",
                                       folder_, links.size(), links.front()));
+  }
+  // timm's --class-map (load_class_map of a .txt): the classes in the file's order, the images of
+  // folders it does not name skipped (timm: silently; here counted in a warning).
+  void apply_class_map(const std::string& given) {
+    std::error_code ec;
+    std::string path = given;
+    if (!fs::exists(path, ec)) path = (fs::path(folder_) / given).string();
+    if (!fs::exists(path, ec))
+      throw UserError(fmt::format("--class-map '{}': no such file (looked for as given and in '{}')", given, folder_));
+    const std::string ext = lower_extension(given);
+    if (ext == ".pkl")
+      throw UserError(fmt::format("--class-map '{}': imgtrain reads class maps as text (.txt: one class name a line, "
+                                  "its line number the index), not pickles",
+                                  given));
+    if (ext != ".txt")
+      throw UserError(fmt::format("--class-map '{}': expected a .txt file (one class name a line, its line number the "
+                                  "index), as timm's load_class_map",
+                                  given));
+    std::ifstream f(path);
+    if (!f) throw UserError(fmt::format("--class-map '{}': cannot read the file", path));
+    std::vector<std::string> names;
+    std::map<std::string, int64_t> index;
+    for (std::string line; std::getline(f, line);) {
+      if (names.empty() && line.rfind("\xEF\xBB\xBF", 0) == 0) line.erase(0, 3);  // a UTF-8 byte order mark
+      const auto b = line.find_first_not_of(" \t\r\v\f");
+      const auto e = line.find_last_not_of(" \t\r\v\f");
+      line = b == std::string::npos ? "" : line.substr(b, e - b + 1);
+      if (!line.empty() && !index.emplace(line, int64_t(names.size())).second)
+        throw UserError(fmt::format("--class-map '{}': class '{}' is on lines {} and {}; give each class once", path,
+                                    line, index[line] + 1, names.size() + 1));
+      names.push_back(line);
+    }
+    std::vector<int64_t> to(classes_.size(), -1);
+    std::vector<std::string> unnamed;
+    for (size_t c = 0; c < classes_.size(); ++c) {
+      auto it = index.find(classes_[c]);
+      if (it != index.end()) to[c] = it->second;
+      else unnamed.push_back(classes_[c]);
+    }
+    if (unnamed.size() == classes_.size())
+      throw UserError(fmt::format("--class-map '{}' names none of the {} class folder(s) of '{}' (first: '{}')", path,
+                                  classes_.size(), folder_, classes_.front()));
+    size_t skipped = 0;
+    std::vector<std::pair<std::string, int64_t>> kept;
+    kept.reserve(samples_.size());
+    for (auto& [p, c] : samples_) {
+      if (to[size_t(c)] < 0) ++skipped;
+      else kept.emplace_back(std::move(p), to[size_t(c)]);
+    }
+    if (skipped)
+      log::warn("{}: {} image(s) in {} class folder(s) that --class-map '{}' does not name were skipped (first: {})",
+                folder_, skipped, unnamed.size(), given, unnamed.front());
+    samples_ = std::move(kept);
+    classes_ = std::move(names);
   }
   // The cache holds every directory with its mtime (adding or removing a file changes its
   // folder's), the extensions read, the classes, the files and the scan's warnings; it is used
@@ -829,10 +893,12 @@ std::string find_split_folder(const std::string& root, const std::string& split)
 }
 
 std::shared_ptr<Dataset> create_dataset(const std::string& kind, const std::string& root, const std::string& split,
-                                        const std::string& input_key) {
-  if (!input_key.empty() && !kind.empty())
+                                        const FolderOptions& fo) {
+  if (!fo.input_key.empty() && !kind.empty())
     throw UserError(fmt::format("--input-key picks an ImageFolder's file extensions; it has no effect with --dataset {}",
                                 kind));
+  if (!fo.class_map.empty() && !kind.empty())
+    throw UserError(fmt::format("--class-map names an ImageFolder's classes; it has no effect with --dataset {}", kind));
   if (kind == "fashion-mnist") return std::make_shared<FashionMnist>(root.empty() ? kFashionMnistDir : root, split);
   if (!kind.empty()) throw UserError(fmt::format("--dataset '{}': expected '' (ImageFolder) or fashion-mnist", kind));
   if (root.empty()) throw UserError("--data-dir is required for an ImageFolder dataset (or use --dataset fashion-mnist)");
@@ -852,11 +918,13 @@ std::shared_ptr<Dataset> create_dataset(const std::string& kind, const std::stri
                 root, split, fmt::join(splits, ", "));
   }
   if (!find_shards(folder).empty()) {
-    if (!input_key.empty())
+    if (!fo.input_key.empty())
       throw UserError(fmt::format("--input-key picks an ImageFolder's file extensions; '{}' holds tar shards", folder));
+    if (!fo.class_map.empty())
+      throw UserError(fmt::format("--class-map names an ImageFolder's classes; '{}' holds tar shards", folder));
     return open_shards(folder);
   }
-  return std::make_shared<ImageFolder>(folder, folder_extensions(input_key));
+  return std::make_shared<ImageFolder>(folder, folder_extensions(fo.input_key), fo.class_map);
 }
 
 }  // namespace imgtrain::data

@@ -89,10 +89,19 @@ inline const char* kFashionMnistDir = "/usr/share/datasets/fashion-mnist";
 // kind: "" (ImageFolder, or tar shards when the split folder holds *.tar files) or
 // "fashion-mnist"; split: timm's split name (folder synonyms apply). COCO detection data is
 // opened by data::open_coco (data/coco_detection.h).
-// input_key: timm's --input-key, for an ImageFolder the ';'-separated file extensions read
-// (empty: timm's .png, .jpg, .jpeg); classes and images come in timm's order (natural_less).
+// How an ImageFolder is read (timm's flags of the same names).
+struct FolderOptions {
+  // --input-key: the ';'-separated file extensions read (empty: timm's .png, .jpg, .jpeg)
+  std::string input_key;
+  // --class-map: a .txt file, one class name a line, the line number its index (looked for as
+  // given, then in the split folder); images of class folders it does not name are skipped
+  std::string class_map;
+};
+
+// Classes and images come in timm's order (natural_less); `folder` applies to ImageFolders only
+// (a user error with other kinds and with tar shards).
 std::shared_ptr<Dataset> create_dataset(const std::string& kind, const std::string& root, const std::string& split,
-                                        const std::string& input_key = "");
+                                        const FolderOptions& folder = {});
 
 // timm's natural_key order (timm.utils.natural_key): lower-cased, runs of digits compared as
 // numbers ("class2" before "class10"); keys that tie in it fall back to byte order.

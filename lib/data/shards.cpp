@@ -347,7 +347,7 @@ PackResult pack_image_folder(const PackOptions& o) {
   ec.clear();
   PackResult res;
   for (auto& [in, out_dir] : splits) {
-    auto ds = create_dataset("", in, "", o.input_key);
+    auto ds = create_dataset("", in, "", FolderOptions{o.input_key, ""});
     fs::create_directories(out_dir, ec);
     if (ec) throw UserError(fmt::format("--out '{}': cannot create the folder ({})", out_dir, ec.message()));
     {

@@ -284,7 +284,7 @@ void time_steps(const std::function<double()>& step_once, const cli::Config& cfg
 // eval pipeline (exact decode unless --fast-decode, PIL's resize to floor(size / crop_pct), center
 // crop) over the same split.
 int benchmark_data(const cli::Config& cfg) {
-  auto ds = data::create_dataset(cfg.dataset, cfg.data_dir, cfg.train_split, cfg.input_key);
+  auto ds = data::create_dataset(cfg.dataset, cfg.data_dir, cfg.train_split, data::FolderOptions{cfg.input_key, ""});
   auto tc = cli::train_geometry(cfg, int(cfg.img_size.value_or(224)), int(cfg.in_chans.value_or(3)));
   if (cfg.bench == "data-eval") {
     tc.train = false;

@@ -154,7 +154,12 @@ void Optimizer::load_state(const std::map<std::string, at::Tensor>& st) {
             throw UserError(fmt::format("{} has shape {}, but the parameter '{}' has {} (not this model's optimizer "
                                         "state)",
                                         what, fmt::join(t.sizes(), "x"), g.names[i], fmt::join(g.params[i].sizes(), "x")));
-          ps.buf[key] = t.to(g.params[i].options()).clone();
+          // in the parameter's layout (a channels-last weight's state comes back from the file
+          // contiguous): the fused steps need it, and LAMB's norms sum in memory order, so a
+          // resumed run is bitwise the run that saved it only with the saved run's layout
+          auto b = at::empty_like(g.params[i]);
+          b.copy_(t);
+          ps.buf[key] = b;
         }
       }
     }

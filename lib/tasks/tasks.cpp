@@ -41,12 +41,14 @@ engine::CheckpointMeta classification_meta(const std::string& arch, int64_t num_
   return m;
 }
 
+data::FolderOptions folder_options(const cli::Config& cfg) { return {cfg.input_key, cfg.class_map}; }
+
 TaskSetup classification_setup(const cli::Config& cfg, int64_t rank, int64_t world) {
   TaskSetup s;
   const auto& defaults = model_zoo::model_defaults(cfg.model);  // unknown model fails before data loading
   s.data = engine::resolve_data_config({cfg.in_chans, cfg.img_size, cfg.crop_pct, cfg.interpolation, cfg.crop_mode}, defaults);
-  s.train = data::create_dataset(cfg.dataset, cfg.data_dir, cfg.train_split, cfg.input_key);
-  s.eval = data::create_dataset(cfg.dataset, cfg.data_dir, cfg.val_split, cfg.input_key);
+  s.train = data::create_dataset(cfg.dataset, cfg.data_dir, cfg.train_split, folder_options(cfg));
+  s.eval = data::create_dataset(cfg.dataset, cfg.data_dir, cfg.val_split, folder_options(cfg));
   const int64_t num_classes = cfg.num_classes.value_or(s.train->num_classes());
   check_labels(*s.train, num_classes, "train");
   check_labels(*s.eval, num_classes, "validation", cfg.num_classes ? "" : "the train split");
@@ -148,10 +150,23 @@ TaskSetup classification_validate_setup(const cli::Config& cfg, const engine::Ch
   }
   s.data = engine::resolve_data_config(o, defaults);
   const auto& dc = s.data;
-  s.eval = data::create_dataset(cfg.dataset, cfg.data_dir, cfg.split, cfg.input_key);
-  const int64_t num_classes = cfg.num_classes.value_or(m.num_classes.value_or(s.eval->num_classes()));
+  s.eval = data::create_dataset(cfg.dataset, cfg.data_dir, cfg.split, folder_options(cfg));
+  // The class count: --num-classes, else the checkpoint's, else the pretrained weights' classifier
+  // (timm builds the model with its pretrained head: a classifier initialised for the folder's
+  // count would be scored at random), else the folder's.
+  std::optional<int64_t> weights_classes;
+  std::string weights_file;
+  if (!cfg.num_classes && !m.num_classes && (cfg.pretrained || !cfg.pretrained_path.empty())) {
+    weights_file = pretrained_weights_path(arch, cfg.pretrained, cfg.pretrained_path);
+    weights_classes = weights_class_count(weights_file, defaults.classifier);
+  }
+  const int64_t num_classes =
+      cfg.num_classes.value_or(m.num_classes.value_or(weights_classes.value_or(s.eval->num_classes())));
   check_labels(*s.eval, num_classes, cfg.split,
-               cfg.num_classes || !m.num_classes ? "" : fmt::format("the checkpoint '{}'", cfg.checkpoint));
+               cfg.num_classes                ? ""
+               : m.num_classes                ? fmt::format("the checkpoint '{}'", cfg.checkpoint)
+               : weights_classes.has_value() ? fmt::format("the classifier of '{}'", weights_file)
+                                              : "");
 
   ClassificationOptions co;
   co.model = arch;
@@ -160,6 +175,7 @@ TaskSetup classification_validate_setup(const cli::Config& cfg, const engine::Ch
   co.model_args.global_pool_from = gp_from;
   co.pretrained = cfg.pretrained;
   co.pretrained_path = cfg.pretrained_path;
+  co.scored_as_loaded = true;
   s.task = std::make_unique<ClassificationTask>(std::move(co));
   s.eval_transform.size = int(dc.img_size);
   s.eval_transform.channels = int(dc.in_chans);
@@ -191,6 +207,8 @@ std::shared_ptr<data::CocoDetection> open_detection_split(const cli::Config& cfg
   if (cfg.data_dir.empty()) throw UserError("--data-dir: required (the COCO root with annotations/)");
   if (!cfg.input_key.empty())
     throw UserError("--input-key picks an ImageFolder's file extensions; it has no effect with --dataset coco");
+  if (!cfg.class_map.empty())
+    throw UserError("--class-map names an ImageFolder's classes; it has no effect with --dataset coco");
   data::CocoOptions co;
   co.train = train;
   co.masks = masks;

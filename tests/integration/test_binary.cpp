@@ -210,6 +210,16 @@ TEST_CASE("pretrained timm weights are found in the offline hub cache and adapte
   CHECK_THAT(r.output, Catch::Contains("models--timm--resnet18.a1_in1k/snapshots/0123abcd/model.safetensors") &&
                            Catch::Contains("adapted conv1.weight from 3 to 1 input channels") &&
                            Catch::Contains("classifier fc re-initialised") && Catch::Contains("\"top1\""));
+  CHECK_THAT(r.output, Catch::Contains("WARNING: --num-classes 10: '") &&
+                           Catch::Contains("so the fc scored here is initialised at random"));
+  // Without --num-classes the weights' classifier is scored, with its 1000 classes (timm's
+  // validate.py builds the model with the pretrained head), never one initialised for the folder
+  auto own = test::run("HF_HUB_CACHE=" + hub + " " + kBin + " validate --pretrained --model resnet18 --data-dir " +
+                       data + " --in-chans 1 --device cpu");
+  INFO(own.output);
+  CHECK(own.code == 0);
+  CHECK_THAT(own.output, !Catch::Contains("re-initialised") && !Catch::Contains("WARNING") &&
+                             Catch::Contains("param count: 11683240"));  // 1-channel conv1, 1000-class fc
   // An explicit tag that is not in the cache: the error says where it looked.
   test::TempDir empty("hub");
   expect_user_error(test::run("HF_HUB_CACHE=" + empty.path.string() + " " + kBin +

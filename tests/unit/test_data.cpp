@@ -148,15 +148,15 @@ TEST_CASE("ImageFolder scans classes, nested files and extensions", "[data][fold
                       Catch::Contains("deep/nested/b.PNG"));
   CHECK(std::count(err.begin(), err.end(), '\n') == 4);
   // --input-key (timm's): the extensions read, ';'-separated, compared lower-cased
-  auto wide = create_dataset("", d.path.string(), "train", ".png;.JPG;.bmp;.webp");
+  auto wide = create_dataset("", d.path.string(), "train", {".png;.JPG;.bmp;.webp"});
   CHECK(wide->class_names() == std::vector<std::string>{"apple", "mango", "zebra"});
   CHECK(wide->size() == 5);
   for (auto bad : {"jpg", ".png;", ";.png", "."})
-    CHECK_THAT(user_error([&] { create_dataset("", d.path.string(), "train", bad); }),
+    CHECK_THAT(user_error([&] { create_dataset("", d.path.string(), "train", {bad}); }),
                Catch::Contains("--input-key") && Catch::Contains("each with its dot"));
-  CHECK_THAT(user_error([&] { create_dataset("fashion-mnist", "", "train", ".png"); }),
+  CHECK_THAT(user_error([&] { create_dataset("fashion-mnist", "", "train", {".png"}); }),
              Catch::Contains("--input-key") && Catch::Contains("no effect with --dataset fashion-mnist"));
-  CHECK_THAT(user_error([&] { create_dataset("", d.path.string(), "train", ".gif"); }),
+  CHECK_THAT(user_error([&] { create_dataset("", d.path.string(), "train", {".gif"}); }),
              Catch::Contains("no images (.gif) in class subfolders"));
   // a subfolder without images is not a class (timm labels images, not folders), with a warning
   std::filesystem::create_directories(d / "train/aardvark");
@@ -164,7 +164,7 @@ TEST_CASE("ImageFolder scans classes, nested files and extensions", "[data][fold
   test::write_file(d / "train/kiwi/readme.txt", "no images here");
   std::filesystem::remove(d / "train/loose.jpg");
   std::shared_ptr<Dataset> with_empty;
-  const auto err2 = test::stderr_of([&] { with_empty = create_dataset("", d.path.string(), "train", ".png;.jpg"); }, d);
+  const auto err2 = test::stderr_of([&] { with_empty = create_dataset("", d.path.string(), "train", {".png;.jpg"}); }, d);
   REQUIRE(with_empty);
   CHECK(with_empty->class_names() == std::vector<std::string>{"apple", "zebra"});
   std::vector<int64_t> labels2;
@@ -176,6 +176,43 @@ TEST_CASE("ImageFolder scans classes, nested files and extensions", "[data][fold
   test::write_file(d / "train/aardvark/e.png", png);
   CHECK(create_dataset("", d.path.string(), "train")->class_names() ==
         std::vector<std::string>{"aardvark", "apple", "zebra"});
+}
+
+TEST_CASE("--class-map: timm's class names file gives the indices, other folders are skipped", "[data][folder]") {
+  test::TempDir d("classmap");
+  auto png = encode(make_image(8, 8, 1), ".png");
+  for (auto f : {"cat/1.png", "cat/2.png", "dog/3.png", "emu/4.png", "fox/5.png"})
+    test::write_file(d / (std::string("val/") + f), png);
+  // timm's load_class_map: a line's number is its index (blank lines count), names stripped
+  test::write_file(d / "map.txt", "\xEF\xBB\xBF fox \r\n\ndog\ncat\nyak\n");
+  std::shared_ptr<Dataset> ds;
+  const auto err = test::stderr_of(
+      [&] { ds = create_dataset("", d.path.string(), "validation", {"", d / "map.txt"}); }, d);
+  REQUIRE(ds);
+  CHECK(ds->class_names() == std::vector<std::string>{"fox", "", "dog", "cat", "yak"});
+  CHECK(ds->num_classes() == 5);
+  std::vector<std::string> got;
+  for (size_t i = 0; i < ds->size(); ++i)
+    got.push_back(std::filesystem::path(ds->describe(i)).filename().string() + " " + std::to_string(ds->label(i)));
+  CHECK(got == std::vector<std::string>{"1.png 3", "2.png 3", "3.png 2", "5.png 0"});
+  CHECK_THAT(err, Catch::Contains("1 image(s) in 1 class folder(s) that --class-map") && Catch::Contains("(first: emu)"));
+  // found in the split folder too, as timm looks for it under the dataset root
+  test::write_file(d / "val/names.txt", "emu\n");
+  CHECK(create_dataset("", d.path.string(), "validation", {"", "names.txt"})->size() == 1);
+  auto msg = [&](const std::string& map) {
+    return user_error([&] { create_dataset("", d.path.string(), "validation", {"", map}); });
+  };
+  CHECK_THAT(msg("nope.txt"), Catch::Contains("--class-map 'nope.txt': no such file"));
+  test::write_file(d / "map.pkl", "\x80\x04}q\x00.");
+  CHECK_THAT(msg(d / "map.pkl"), Catch::Contains("not pickles"));
+  test::write_file(d / "map.csv", "cat,0\n");
+  CHECK_THAT(msg(d / "map.csv"), Catch::Contains("expected a .txt file"));
+  test::write_file(d / "twice.txt", "cat\ndog\ncat\n");
+  CHECK_THAT(msg(d / "twice.txt"), Catch::Contains("class 'cat' is on lines 1 and 3"));
+  test::write_file(d / "other.txt", "yak\nzebu\n");
+  CHECK_THAT(msg(d / "other.txt"), Catch::Contains("names none of the 4 class folder(s)"));
+  CHECK_THAT(user_error([&] { create_dataset("fashion-mnist", "", "train", {"", "map.txt"}); }),
+             Catch::Contains("--class-map") && Catch::Contains("no effect with --dataset fashion-mnist"));
 }
 
 TEST_CASE("ImageFolder orders classes and files as timm's natural_key does", "[data][folder]") {
@@ -217,7 +254,12 @@ TEST_CASE("ImageFolder follows folder links once: loops and links into other cla
   fs::create_directory_symlink("../..", d / "train/a/sub/up");  // back up to the split
   fs::create_directory_symlink("../a", d / "train/b/peer");     // into another class
   fs::create_directory_symlink(d / "elsewhere", d / "train/b/more");  // a real extra folder
-  auto ds = create_dataset("", d.path.string(), "train");
+  fs::create_symlink(d / "gone.png", d / "train/b/dangling.png");    // a link to nothing: counted
+  std::shared_ptr<Dataset> ds;
+  const auto err = test::stderr_of([&] { ds = create_dataset("", d.path.string(), "train"); }, d);
+  CHECK_THAT(err, Catch::Contains("1 link(s) lead to no file and were skipped (first: ") &&
+                      Catch::Contains("train/b/dangling.png)"));
+  CHECK_THAT(err, Catch::Contains("3 linked folder(s) lead back into the split or into another class"));
   REQUIRE(ds->size() == 6);  // 16 images became 7,216 samples before
   std::map<std::string, int64_t> label_of;
   for (size_t i = 0; i < ds->size(); ++i) label_of[fs::path(ds->describe(i)).filename().string()] = ds->label(i);

@@ -124,25 +124,40 @@ std::shared_ptr<torch::nn::Module> ClassificationTask::create_model() const {
   return model;
 }
 
+std::string pretrained_weights_path(const std::string& model, bool pretrained, const std::string& pretrained_path) {
+  if (!pretrained_path.empty() || !pretrained) return pretrained_path;
+  const auto& d = model_zoo::model_defaults(model);
+  auto [arch, tag] = model_zoo::split_model_name(model);
+  if (tag.empty()) {
+    if (d.tags.empty()) throw UserError(fmt::format("--pretrained: timm has no pretrained weights for {}", arch));
+    tag = d.tags.front();
+  } else if (!d.tags.empty() && std::find(d.tags.begin(), d.tags.end(), tag) == d.tags.end()) {
+    // timm: "Invalid pretrained tag (...) for ...", before any download
+    throw UserError(fmt::format("--pretrained: '{}' is not one of timm's pretrained tags for {} ({})", tag, arch,
+                                fmt::join(d.tags, ", ")));
+  }
+  return io::find_hub_weights(arch, tag);
+}
+
+std::optional<int64_t> weights_class_count(const std::string& path, const std::string& classifier) {
+  const auto st = io::load_weights_file(path);
+  const std::string key = io::weights_prefix(st, true) + classifier + ".weight";
+  for (auto& [k, v] : st.tensors)
+    if (k == key && v.dim() >= 2) return v.size(0);
+  return std::nullopt;
+}
+
 void ClassificationTask::load_pretrained(torch::nn::Module& model) const {
   if (!o_.pretrained && o_.pretrained_path.empty()) return;
   const auto& d = model_zoo::model_defaults(o_.model);
-  std::string path = o_.pretrained_path;
-  if (path.empty()) {
-    auto [arch, tag] = model_zoo::split_model_name(o_.model);
-    if (tag.empty()) {
-      if (d.tags.empty()) throw UserError(fmt::format("--pretrained: timm has no pretrained weights for {}", arch));
-      tag = d.tags.front();
-    } else if (!d.tags.empty() && std::find(d.tags.begin(), d.tags.end(), tag) == d.tags.end()) {
-      // timm: "Invalid pretrained tag (...) for ...", before any download
-      throw UserError(fmt::format("--pretrained: '{}' is not one of timm's pretrained tags for {} ({})", tag, arch,
-                                  fmt::join(d.tags, ", ")));
-    }
-    path = io::find_hub_weights(arch, tag);
-  }
+  const std::string path = pretrained_weights_path(o_.model, o_.pretrained, o_.pretrained_path);
   auto st = io::load_weights_file(path);
   auto note = io::load_pretrained(model, st, {d.first_conv, d.classifier}, path);
   log::info("Loaded pretrained weights from '{}'{}", path, note.empty() ? "" : " (" + note + ")");
+  if (o_.scored_as_loaded && note.find("re-initialised") != std::string::npos)
+    log::warn("--num-classes {}: '{}' holds a classifier for another class count, so the {} scored here is "
+              "initialised at random (as timm's validate.py does)",
+              o_.model_args.num_classes, path, d.classifier);
 }
 
 engine::ParamInfo ClassificationTask::param_info(torch::nn::Module& model) const {

@@ -18,6 +18,7 @@ struct ClassificationOptions {
   std::optional<double> bn_momentum, bn_eps;
   bool pretrained = false;      // timm's weights from the offline Hugging Face cache
   std::string pretrained_path;  // a weights file: safetensors or torch.save (io::load_weights_file)
+  bool scored_as_loaded = false;  // validate: a classifier re-initialised for another class count is warned
   LossConfig loss;
   data::MixupConfig mixup;      // active() when mixup or cutmix is asked for
   int64_t mixup_off_epoch = 0;  // mixup/cutmix off from this epoch on (0: never)
@@ -30,6 +31,14 @@ struct ClassificationOptions {
 // sample draws from its own (seed, epoch, indices[i]) generator; returns x.
 at::Tensor random_erase(at::Tensor x, const at::Tensor& indices, const data::RandomErasingConfig& c, uint64_t seed,
                         int64_t epoch);
+
+// The file --pretrained (timm's weights in the offline Hugging Face cache) or --pretrained-path
+// names for `model` ("" when neither is given); a user error when the cache has none.
+std::string pretrained_weights_path(const std::string& model, bool pretrained, const std::string& pretrained_path);
+
+// The class count of the classifier `classifier` (its ".weight"'s rows) in a weights file, if it
+// has one.
+std::optional<int64_t> weights_class_count(const std::string& path, const std::string& classifier);
 
 // Percent of rows whose target is within the top-k predictions, for each k.
 std::vector<double> accuracy(const at::Tensor& logits, const at::Tensor& target, const std::vector<int64_t>& ks);
