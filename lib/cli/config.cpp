@@ -515,6 +515,17 @@ const std::vector<std::pair<const char*, const char*>>& timm_train_defaults() {
   return t;
 }
 
+// A YAML value on one line (lists and mappings in flow style), for one-line messages.
+std::string one_line(const YAML::Node& v) {
+  YAML::Emitter e;
+  e.SetSeqFormat(YAML::Flow);
+  e.SetMapFormat(YAML::Flow);
+  e << v;
+  std::string s = e.c_str();
+  std::replace(s.begin(), s.end(), '\n', ' ');
+  return s;
+}
+
 bool same_value(const YAML::Node& a, const YAML::Node& b) {
   if (a.IsNull() || b.IsNull()) return a.IsNull() && b.IsNull();
   if (a.IsSequence() || b.IsSequence()) {
@@ -591,7 +602,7 @@ void apply_yaml(Config& c, Command cmd, const std::string& path) {
           if (same_value(it.second, YAML::Load(t->second))) continue;  // timm's default: nothing to do
           throw UserError(fmt::format("--config '{}': key '{}' is a timm option imgtrain does not implement yet; "
                                       "only its default ({}) is accepted, not {}",
-                                      path, key, t->second, YAML::Dump(it.second)));
+                                      path, key, t->second, one_line(it.second)));
         }
       }
       std::vector<std::string> keys;

@@ -362,8 +362,17 @@ int launch(const LaunchOptions& o, const std::vector<std::string>& argv) {
     if (!ok && exit_code == 0 && !forwarded) {
       // exit code 2 with its line on the pipe: the worker refused the input; that line is the message
       const bool user_error = WIFEXITED(status) && WEXITSTATUS(status) == 2 && !printed.empty();
-      exit_code = user_error ? 2 : 1;
-      if (!user_error)
+      // 128 + SIGINT / SIGTERM: a worker that was signalled (any rank may have been: they stop
+      // together, rank 0 saving a recovery point): a stop asked for, passed on as the launcher's own
+      const int code = WIFEXITED(status) ? WEXITSTATUS(status) : 0;
+      const bool stop_request = code == 128 + SIGINT || code == 128 + SIGTERM;
+      exit_code = user_error ? 2 : stop_request ? code : 1;
+      if (stop_request)
+        std::fprintf(stderr,
+                     "imgtrain launcher: worker rank %lld (local rank %zu, pid %d) stopped on a stop request (signal "
+                     "%d); stopping the other workers\n",
+                     (long long)(rank0 + int64_t(i)), i, int(pid), code - 128);
+      else if (!user_error)
         std::fprintf(stderr,
                      "imgtrain launcher: worker rank %lld (local rank %zu, pid %d) %s; stopping the other workers\n",
                      (long long)(rank0 + int64_t(i)), i, int(pid), describe_status(status).c_str());

@@ -174,6 +174,31 @@ CheckpointMeta Checkpoint::read_meta(const std::string& path) {
   return CheckpointMeta::from_metadata(io::load_safetensors_metadata(path), path);
 }
 
+std::optional<std::string> CheckpointMeta::arg(const std::string& key) const {
+  size_t pos = 0;
+  while (pos < args.size()) {
+    const size_t eol = std::min(args.find('\n', pos), args.size());
+    const std::string_view line(args.data() + pos, eol - pos);
+    if (line.size() > key.size() + 2 && line.substr(0, key.size()) == key && line.substr(key.size(), 2) == ": ") {
+      std::string v(line.substr(key.size() + 2));
+      // a quoted scalar (imgtrain writes strings as "..."): its text
+      if (v.size() >= 2 && (v.front() == '"' || v.front() == '\'') && v.back() == v.front()) {
+        const char q = v.front();
+        std::string text;
+        for (size_t i = 1; i + 1 < v.size(); ++i) {
+          if (q == '"' && v[i] == '\\' && i + 2 < v.size()) ++i;             // \" and \\ in double quotes
+          else if (q == '\'' && v[i] == '\'' && i + 2 < v.size()) ++i;      // '' in single quotes
+          text += v[i];
+        }
+        return text;
+      }
+      return v;
+    }
+    pos = eol + 1;
+  }
+  return std::nullopt;
+}
+
 std::string Checkpoint::weights_prefix(bool prefer_ema) const { return io::weights_prefix(st_, prefer_ema); }
 
 void Checkpoint::load_weights(torch::nn::Module& m, bool prefer_ema) const {

@@ -55,6 +55,8 @@ struct CheckpointMeta {
   std::string args;     // args.yaml of the run
   int64_t version = 2;
 
+  // The value of a top-level `key: value` line of `args` (the args.yaml imgtrain wrote), or nullopt.
+  std::optional<std::string> arg(const std::string& key) const;
   std::map<std::string, std::string> to_metadata() const;
   // Throws UserError naming `what` when a field has a malformed value.
   static CheckpointMeta from_metadata(const std::map<std::string, std::string>& md, const std::string& what);

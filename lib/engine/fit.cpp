@@ -158,6 +158,12 @@ ResumePoint resume(Run& r, const cli::Config& cfg, std::optional<Checkpoint> che
       t.copy_(*saved);
     }
   }
+  // timm restores the state of the optimizer it builds, whatever the checkpoint's was: said here
+  if (const auto opt = ck.meta().arg("opt"); opt && !cfg.no_resume_opt && *opt != cfg.opt)
+    log::warn("--resume '{}': the checkpoint's optimizer was --opt {}, this run's is --opt {}: state of the same "
+              "name is restored (as timm's load_state_dict does), the rest starts from zero; --no-resume-opt starts "
+              "all of it fresh",
+              path, *opt, cfg.opt);
   try {  // damaged or foreign training state is the file's fault, said here by name
     if (!cfg.no_resume_opt) r.optimizer->load_state(ck.section("optim."));
     if (r.scaler) r.scaler->load_state(ck.section("scaler."));

@@ -32,6 +32,10 @@ int validate(const cli::Config& cfg) {
   auto model = task.create_model();
   if (ck) {
     try {
+      if (cfg.use_ema && ck->weights_prefix(true) != "ema.")
+        log::warn("--use-ema: '{}' holds no EMA weights; the model's own weights are validated (as timm's "
+                  "validate.py does)",
+                  cfg.checkpoint);
       ck->load_weights(*model, cfg.use_ema);
     } catch (const io::WeightsMismatch& e) {  // weights that do not fit: say which flag built another model
       const auto& m = ck->meta();

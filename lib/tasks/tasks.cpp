@@ -54,12 +54,13 @@ TaskSetup classification_setup(const cli::Config& cfg, int64_t rank, int64_t wor
   check_labels(*s.eval, num_classes, "validation", cfg.num_classes ? "" : "the train split");
   // ImageFolder labels are each split's sorted folder names: different folders shift the labels
   // (timm does the same, silently)
-  if (s.train->class_names() != s.eval->class_names() && !s.eval->class_names().empty() &&
-      s.eval->class_names().size() <= s.train->class_names().size() &&
-      !std::equal(s.eval->class_names().begin(), s.eval->class_names().end(), s.train->class_names().begin()))
+  // (class_names() returns a copy: the two lists are held, their iterators compared)
+  const auto train_names = s.train->class_names(), eval_names = s.eval->class_names();
+  if (!eval_names.empty() && eval_names.size() <= train_names.size() &&
+      !std::equal(eval_names.begin(), eval_names.end(), train_names.begin()))
     log::warn("the validation split's classes ({}) are not the train split's ({}): labels follow each split's own "
               "sorted folder names, so they do not match",
-              fmt::join(s.eval->class_names(), ", "), fmt::join(s.train->class_names(), ", "));
+              fmt::join(eval_names, ", "), fmt::join(train_names, ", "));
 
   if ((cfg.mixup > 0 || cfg.cutmix > 0 || !cfg.cutmix_minmax.empty()) && cfg.batch_size % 2)
     throw UserError(fmt::format("--batch-size {}: mixup/cutmix mixes each sample with its mirror and needs an even "
@@ -264,19 +265,6 @@ model_zoo::detection::RCNNOptions rcnn_options(const cli::Config& cfg, int64_t n
   return o;
 }
 
-// The value of a top-level `key: value` line of an args.yaml that imgtrain wrote, or nullopt.
-std::optional<std::string> args_value(const std::string& args, const std::string& key) {
-  size_t pos = 0;
-  while (pos < args.size()) {
-    const size_t eol = std::min(args.find('\n', pos), args.size());
-    const std::string_view line(args.data() + pos, eol - pos);
-    if (line.size() > key.size() + 2 && line.substr(0, key.size()) == key && line.substr(key.size(), 2) == ": ")
-      return std::string(line.substr(key.size() + 2));
-    pos = eol + 1;
-  }
-  return std::nullopt;
-}
-
 double eval_min_size(const cli::Config& cfg) { return cfg.min_size_test.value_or(cfg.min_size.back()); }
 
 engine::DataConfig detection_data_config(const cli::Config& cfg, const std::string& arch) {
@@ -384,7 +372,7 @@ TaskSetup detection_validate_setup(const cli::Config& given, const engine::Check
     auto named = [&](const char* flag) { return cfg.was_given(flag) || cfg.in_file.count(flag) > 0; };
     if (meta->img_size && !named("min-size") && !named("min-size-test")) cfg.min_size_test = double(*meta->img_size);
     if (!named("max-size"))
-      if (const auto v = args_value(meta->args, "max_size")) {
+      if (const auto v = meta->arg("max_size")) {
         char* end = nullptr;
         const double d = std::strtod(v->c_str(), &end);
         if (end != v->c_str() && *end == '\0' && d > 0) cfg.max_size = d;

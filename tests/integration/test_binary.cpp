@@ -153,6 +153,18 @@ TEST_CASE("trains far above chance, validates, resumes at the next epoch, loads 
   INFO(again.output);
   CHECK(again.code == 0);
   CHECK_THAT(again.output, Catch::Contains("Nothing trained: training starts at epoch 4 and --epochs is 4"));
+  // Resuming with another optimizer is said (timm restores what the new one shares by name, silently).
+  auto switched = test::run(kBin + " train --data-dir " + data + kSmallArgs + " --epochs 4 --opt adamw --output " +
+                            out.path.string() + " --experiment switched --resume " + run + "/last.safetensors");
+  INFO(switched.output);
+  CHECK(switched.code == 0);
+  CHECK_THAT(switched.output, Catch::Contains("the checkpoint's optimizer was --opt sgd, this run's is --opt adamw"));
+  // validate --use-ema of a checkpoint without EMA weights validates the model, and says so
+  auto no_ema = test::run(kBin + " validate --device cpu --data-dir " + data + " --checkpoint " + run +
+                          "/last.safetensors --use-ema");
+  INFO(no_ema.output);
+  CHECK(no_ema.code == 0);
+  CHECK_THAT(no_ema.output, Catch::Contains("--use-ema: '") && Catch::Contains("holds no EMA weights"));
 
   // The checkpoint loads into timm (strict) and gives the same outputs.
   REQUIRE(fs::exists(kPython));  // scripts/setup.sh --test installs timm there

@@ -306,6 +306,28 @@ TEST_CASE("torchrun --max-restarts 1 with a worker killed once: --resume auto co
   CHECK(test::read_csv(out / "job/summary.csv").size() == 3);
 }
 
+TEST_CASE("SIGTERM to one worker: the launcher says a stop was asked for and exits 143", "[dist]") {
+  // A scheduler or a user may signal a worker, not the launcher: the workers stop together (rank 0
+  // writes the recovery point) and the launcher passes the stop on, as it does for its own signal,
+  // instead of calling a worker's clean exit a failure.
+  auto data = test::fmnist_folder();
+  test::TempDir out("dist-term-worker");
+  const std::string args = " train --data-dir " + data +
+                           " --model resnet18 --img-size 28 --in-chans 1 -b 25 --lr 0.05 --epochs 3 --device cpu -j 1"
+                           " --log-interval 1 --nproc-per-node 2 --experiment t --output " + out.path.string();
+  const std::string log = out / "launcher.log";
+  auto r = test::run(start_wait_then(kBin + args, log, training_started(log),
+                                     "W=$(children $P); kill -TERM $(echo $W | tr ' ' '\\n' | tail -1); wait $P; "
+                                     "echo launcher-exit=$?; sleep 0.5; "
+                                     "for w in $W; do [ -e /proc/$w ] && echo still-running=$w; done; true"));
+  const std::string text = test::read_file(log);
+  INFO(r.output << text);
+  CHECK_THAT(r.output, Catch::Contains("launcher-exit=143") && !Catch::Contains("still-running"));
+  CHECK_THAT(text, Catch::Contains("Stopped by signal 15 after update") &&
+                       Catch::Contains("stopped on a stop request (signal 15)") &&
+                       !Catch::Contains("exited with code"));
+}
+
 TEST_CASE("SIGTERM to the launcher: rank 0 writes a recovery checkpoint, every worker ends", "[dist]") {
   auto data = test::fmnist_folder();
   test::TempDir out("dist-term");

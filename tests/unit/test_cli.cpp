@@ -239,6 +239,10 @@ TEST_CASE("a timm args.yaml is accepted, and unimplemented timm options only at 
              Catch::Contains("key 'jsd_loss' is a timm option imgtrain does not implement") &&
                  Catch::Contains("true"));
   CHECK_THAT(with("\naug_splits: 0", "\naug_splits: 3"), Catch::Contains("'aug_splits'"));
+  // a list value is quoted on the message's one line
+  const auto list = with("\nmean: null", "\nmean:\n- 0.5\n- 0.5\n- 0.5");
+  CHECK_THAT(list, Catch::Contains("key 'mean' is a timm option") && Catch::EndsWith("not [0.5, 0.5, 0.5]"));
+  CHECK(std::count(list.begin(), list.end(), '\n') == 0);
   CHECK(with("\naug_splits: 0", "\naug_splits: 0.0") == "");  // the same default written differently
   CHECK(with("\nsplit_bn: false", "\nsplit_bn: False") == "");
   // Options imgtrain implements take effect from the file.

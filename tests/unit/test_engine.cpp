@@ -22,10 +22,13 @@
 #include "optim/optim.h"
 #include "core/rng.h"
 #include "tasks/classification/classification.h"
+#include "tasks/tasks.h"
+#include "cli/config.h"
 #include "test_util.h"
 #include "op_trace.h"
 
 #include <catch2/catch.hpp>
+#include <opencv2/imgcodecs.hpp>
 #include <ATen/record_function.h>
 #include <torch/torch.h>
 
@@ -2600,4 +2603,36 @@ TEST_CASE("CPU training defaults: NHWC and fused kernels for the BatchNorm convn
   CHECK(engine::fused_training_default("vit_small_patch16_224", cpu, fp32));  // the attention kernels
   CHECK_FALSE(engine::fused_training_default("vit_small_patch16_224", gpu, fp32));
   CHECK_FALSE(engine::fused_training_default("no_such_model", cpu, fp32));
+}
+
+TEST_CASE("a validation split with the train split's first classes is not warned about", "[engine][folder]") {
+  // Each split's labels are its own sorted folder names: a validation split holding the train
+  // split's first classes has the same indices; one that skips a class does not, and is warned.
+  test::TempDir d("splits");
+  cv::Mat im(8, 8, CV_8UC3, cv::Scalar(10, 20, 30));
+  std::vector<uchar> png;
+  cv::imencode(".png", im, png);
+  const std::string bytes(png.begin(), png.end());
+  for (auto f : {"train/cat/1.png", "train/dog/2.png", "train/eel/3.png", "val/cat/4.png", "val/dog/5.png",
+                 "other/cat/6.png", "other/eel/7.png"})
+    test::write_file(d / f, bytes);
+  auto warnings = [&](const std::string& val) {
+    auto cfg = *cli::parse(cli::Command::Train, {"--data-dir", d.path.string(), "--val-split", val, "--model",
+                                                 "resnet18", "-b", "1", "--img-size", "32"});
+    return test::stderr_of([&] { tasks::create_train_task(cfg, 0, 1); }, d);
+  };
+  CHECK(warnings("val").find("not the train split's") == std::string::npos);
+  CHECK_THAT(warnings("other"), Catch::Contains("the validation split's classes (cat, eel) are not the train split's "
+                                                "(cat, dog, eel)"));
+}
+
+TEST_CASE("a checkpoint's args.yaml values are read back as text", "[engine]") {
+  engine::CheckpointMeta m;
+  m.args = "opt: \"sgd\"\nmax_size: 1333\nname: 'it''s'\npath: \"a\\\"b\"\noptx: adamw\n";
+  CHECK(m.arg("opt") == std::optional<std::string>("sgd"));
+  CHECK(m.arg("max_size") == std::optional<std::string>("1333"));
+  CHECK(m.arg("name") == std::optional<std::string>("it's"));
+  CHECK(m.arg("path") == std::optional<std::string>("a\"b"));
+  CHECK(!m.arg("op").has_value());
+  CHECK(!m.arg("lr").has_value());
 }
