@@ -178,7 +178,7 @@ TEST_CASE("ImageFolder scans classes, nested files and extensions", "[data][fold
         std::vector<std::string>{"aardvark", "apple", "zebra"});
 }
 
-TEST_CASE("--class-map: timm's class names file gives the indices, other folders are skipped", "[data][folder]") {
+TEST_CASE("a class map file (--class-map, timm's .txt) gives the indices, other folders are skipped", "[data][folder]") {
   test::TempDir d("classmap");
   auto png = encode(make_image(8, 8, 1), ".png");
   for (auto f : {"cat/1.png", "cat/2.png", "dog/3.png", "emu/4.png", "fox/5.png"})
