@@ -31,6 +31,7 @@ struct Config {
   std::optional<double> crop_pct;
   std::string interpolation;
   std::string crop_mode;     // "" = the model's (timm: center)
+  std::vector<double> mean, std_dev;  // --mean / --std: normalisation overrides (empty: the model's)
   bool fast_decode = false;  // eval JPEGs through the DCT-domain downscale (not timm's pixels)
   int64_t batch_size = 128;
   std::optional<int64_t> validation_batch_size;

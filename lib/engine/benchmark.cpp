@@ -336,7 +336,8 @@ int benchmark_data(const cli::Config& cfg) {
   results["data_img_size"] = tc.size;
   results["workers"] = cfg.workers;
   results["images"] = int64_t(ds->size());
-  results["skipped"] = skipped;
+  results["skipped_reads"] = skipped;  // failed reads in the batches taken (a bad file once per pass over it)
+  results["passes"] = epoch + 1;        // passes over the split started (warm-up included)
   std::printf("--result\n%s\n", results.dump(4).c_str());
   write_results(cfg.results_file, cfg.results_format, results);
   return 0;

@@ -152,6 +152,17 @@ DataConfig resolve_data_config(const DataOverrides& o, const ModelDefaults& d) {
     dc.mean.assign(size_t(dc.in_chans), m);
     dc.std.assign(size_t(dc.in_chans), s);
   }
+  // timm's --mean / --std (resolve_data_config): one value for every channel, else one per channel
+  auto given = [&](const std::vector<double>& v, std::vector<double>& out, const char* flag) {
+    if (v.empty()) return;
+    if (v.size() == 1) out.assign(size_t(dc.in_chans), v[0]);
+    else if (int64_t(v.size()) == dc.in_chans) out = v;
+    else
+      throw UserError(fmt::format("--{} {}: give one value or one per input channel ({})", flag, fmt::join(v, " "),
+                                  dc.in_chans));
+  };
+  given(o.mean, dc.mean, "mean");
+  given(o.std_dev, dc.std, "std");
   return dc;
 }
 

@@ -83,7 +83,9 @@ struct DataOverrides {  // the flags; unset = the model's default
   std::optional<double> crop_pct;
   std::string interpolation;
   std::string crop_mode;
+  std::vector<double> mean, std_dev;  // one value (every channel) or one per channel
 };
+// A user error for a --mean / --std whose count is neither 1 nor the channel count.
 DataConfig resolve_data_config(const DataOverrides& o, const ModelDefaults& d);
 
 // timm's prefetcher step: a uint8 NHWC batch -> the model's float input on `dev` (normalised,

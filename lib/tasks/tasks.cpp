@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <optional>
+#include <sstream>
 #include <string_view>
 
 namespace imgtrain::tasks {
@@ -46,7 +47,8 @@ data::FolderOptions folder_options(const cli::Config& cfg) { return {cfg.input_k
 TaskSetup classification_setup(const cli::Config& cfg, int64_t rank, int64_t world) {
   TaskSetup s;
   const auto& defaults = model_zoo::model_defaults(cfg.model);  // unknown model fails before data loading
-  s.data = engine::resolve_data_config({cfg.in_chans, cfg.img_size, cfg.crop_pct, cfg.interpolation, cfg.crop_mode}, defaults);
+  s.data = engine::resolve_data_config(
+      {cfg.in_chans, cfg.img_size, cfg.crop_pct, cfg.interpolation, cfg.crop_mode, cfg.mean, cfg.std_dev}, defaults);
   s.train = data::create_dataset(cfg.dataset, cfg.data_dir, cfg.train_split, folder_options(cfg));
   s.eval = data::create_dataset(cfg.dataset, cfg.data_dir, cfg.val_split, folder_options(cfg));
   const int64_t num_classes = cfg.num_classes.value_or(s.train->num_classes());
@@ -123,6 +125,22 @@ TaskSetup classification_setup(const cli::Config& cfg, int64_t rank, int64_t wor
   return s;
 }
 
+// A flow list of numbers ("[0.5, 0.5, 0.5]") in a checkpoint's args.yaml, or {} (absent, empty,
+// or not numbers).
+std::vector<double> numbers_arg(const engine::CheckpointMeta& m, const std::string& key) {
+  const auto v = m.arg(key);
+  if (!v || v->size() < 2 || v->front() != '[' || v->back() != ']') return {};
+  std::vector<double> out;
+  std::stringstream items(v->substr(1, v->size() - 2));
+  for (std::string item; std::getline(items, item, ',');) {
+    char* end = nullptr;
+    const double x = std::strtod(item.c_str(), &end);
+    if (end == item.c_str()) return {};
+    out.push_back(x);
+  }
+  return out;
+}
+
 TaskSetup classification_validate_setup(const cli::Config& cfg, const engine::CheckpointMeta* meta) {
   TaskSetup s;
   const engine::CheckpointMeta none;
@@ -143,6 +161,9 @@ TaskSetup classification_validate_setup(const cli::Config& cfg, const engine::Ch
     size_from_checkpoint = true;
     if (!o.crop_pct) o.crop_pct = m.crop_pct;
   }
+  // the run's --mean / --std (its args.yaml) unless given: its weights were trained on that input
+  o.mean = cfg.mean.empty() ? numbers_arg(m, "mean") : cfg.mean;
+  o.std_dev = cfg.std_dev.empty() ? numbers_arg(m, "std") : cfg.std_dev;
   // timm (resolve_data_config with use_test_size): the test size unless --img-size, and the test
   // crop unless --crop-pct, also with --img-size
   if (!cfg.use_train_size && !size_from_checkpoint) {
@@ -309,6 +330,8 @@ TaskSetup detection_setup(const cli::Config& given, int64_t rank, int64_t world)
   TaskSetup s;
   if (cfg.in_chans && *cfg.in_chans != 3) throw UserError("--in-chans: detection models take 3-channel images");
   if (cfg.img_size) throw UserError("--img-size: detection models resize by --min-size / --max-size");
+  if (!cfg.mean.empty() || !cfg.std_dev.empty())
+    throw UserError("--mean / --std: detection models normalise inside the model, with torchvision's ImageNet values");
   const bool masks = model_zoo::detection::rcnn_has_mask(cfg.model);
   s.data = detection_data_config(cfg, cfg.model);
   auto train = open_detection_split(cfg, coco_split(cfg.train_split, true), true, masks);

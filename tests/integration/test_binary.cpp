@@ -462,7 +462,8 @@ TEST_CASE("benchmark prints timm's fields and writes the results file", "[integr
                             " -b 8 --img-size 32 -j 2 --num-warm-iter 1 --num-bench-iter 20");
     INFO(enough.output);
     REQUIRE(enough.code == 0);
-    CHECK_THAT(enough.output, !Catch::Contains("--num-bench-iter") && Catch::Contains("\"data_samples_per_sec\""));
+    CHECK_THAT(enough.output, !Catch::Contains("--num-bench-iter") && Catch::Contains("\"data_samples_per_sec\"") &&
+                                  Catch::Contains("\"skipped_reads\": 0") && Catch::Contains("\"passes\": "));
   }
 
   // --cuda-graph: refused where it cannot hold, in one line

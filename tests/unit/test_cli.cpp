@@ -240,11 +240,17 @@ TEST_CASE("a timm args.yaml is accepted, and unimplemented timm options only at 
                  Catch::Contains("true"));
   CHECK_THAT(with("\naug_splits: 0", "\naug_splits: 3"), Catch::Contains("'aug_splits'"));
   // a list value is quoted on the message's one line
-  const auto list = with("\nmean: null", "\nmean:\n- 0.5\n- 0.5\n- 0.5");
-  CHECK_THAT(list, Catch::Contains("key 'mean' is a timm option") && Catch::EndsWith("not [0.5, 0.5, 0.5]"));
+  const auto list = with("\ninput_size: null", "\ninput_size:\n- 3\n- 32\n- 32");
+  CHECK_THAT(list, Catch::Contains("key 'input_size' is a timm option") && Catch::EndsWith("not [3, 32, 32]"));
   CHECK(std::count(list.begin(), list.end(), '\n') == 0);
   CHECK(with("\naug_splits: 0", "\naug_splits: 0.0") == "");  // the same default written differently
   CHECK(with("\nsplit_bn: false", "\nsplit_bn: False") == "");
+  // --mean / --std (timm's normalisation overrides) from the file, as timm writes a list
+  CHECK(with("\nmean: null", "\nmean:\n- 0.5\n- 0.25\n- 0.125") == "");
+  CHECK(train({"-c", d / "a.yaml"}).mean == std::vector<double>{0.5, 0.25, 0.125});
+  CHECK(train({"-c", timm_yaml}).mean.empty());  // timm's null: the model's
+  CHECK(train({"--mean", "0.5", "--std", "0.2", "0.3", "0.4"}).std_dev == std::vector<double>{0.2, 0.3, 0.4});
+  CHECK_THAT(error_of({"--std", "0"}), Catch::Contains("--std") && Catch::Contains("positive"));
   // Options imgtrain implements take effect from the file.
   CHECK(with("aa: null\n", "aa: rand-m9-mstd0.5\n") == "");
   CHECK(train({"-c", d / "a.yaml"}).aa == "rand-m9-mstd0.5");

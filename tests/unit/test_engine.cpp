@@ -2636,3 +2636,32 @@ TEST_CASE("a checkpoint's args.yaml values are read back as text", "[engine]") {
   CHECK(!m.arg("op").has_value());
   CHECK(!m.arg("lr").has_value());
 }
+
+TEST_CASE("the normalisation flags (--mean, --std) replace the model's, also when validating the run's checkpoint", "[engine]") {
+  const auto& d = model_zoo::model_defaults("resnet18");
+  engine::DataOverrides o;
+  o.mean = {0.5};
+  o.std_dev = {0.1, 0.2, 0.3};
+  auto dc = engine::resolve_data_config(o, d);
+  CHECK(dc.mean == std::vector<double>{0.5, 0.5, 0.5});  // timm: one value for every channel
+  CHECK(dc.std == std::vector<double>{0.1, 0.2, 0.3});
+  o.in_chans = 1;
+  CHECK_THAT(test::error_text<UserError>([&] { engine::resolve_data_config(o, d); }),
+             Catch::Contains("--std 0.1 0.2 0.3: give one value or one per input channel (1)"));
+  // validate --checkpoint takes the run's values from its args.yaml unless the flags are given
+  test::TempDir dir("meanstd");
+  cv::Mat im(8, 8, CV_8UC3, cv::Scalar(10, 20, 30));
+  std::vector<uchar> png;
+  cv::imencode(".png", im, png);
+  test::write_file(dir / "val/a/1.png", std::string(png.begin(), png.end()));
+  engine::CheckpointMeta m;
+  m.arch = "resnet18";
+  m.num_classes = 2;
+  m.args = "mean: [0.25, 0.5, 0.75]\nstd: []\n";
+  auto cfg = *cli::parse(cli::Command::Validate, {"--data-dir", dir.path.string(), "--split", "val"});
+  auto s = tasks::create_validate_task(cfg, &m);
+  CHECK(s.data.mean == std::vector<double>{0.25, 0.5, 0.75});
+  CHECK(s.data.std == std::vector<double>(d.std.begin(), d.std.end()));
+  cfg = *cli::parse(cli::Command::Validate, {"--data-dir", dir.path.string(), "--split", "val", "--mean", "0.1"});
+  CHECK(tasks::create_validate_task(cfg, &m).data.mean == std::vector<double>{0.1, 0.1, 0.1});
+}
