@@ -616,7 +616,6 @@ class ImageFolder : public Dataset {
       }
     }
     std::sort(classes_.begin(), classes_.end(), natural_less);
-    std::sort(loose.begin(), loose.end(), natural_less);
     std::vector<ClassScan> found(classes_.size());
     std::set<FolderId> tops;  // the split folder and every class folder
     if (auto id = folder_id(folder_)) tops.insert(*id);
@@ -628,6 +627,8 @@ class ImageFolder : public Dataset {
     // would shift every later label and widen the classifier. Its directories stay in dirs_, so
     // the scan cache notices an image added to it.
     std::vector<std::string> links, kept, empty, nested, broken;
+    // the first in timm's order, named in a warning (no need to sort the whole list)
+    auto first = [](const std::vector<std::string>& v) { return *std::min_element(v.begin(), v.end(), natural_less); };
     for (size_t c = 0; c < classes_.size(); ++c) {
       (found[c].files.empty() ? empty : kept).push_back(classes_[c]);
       for (auto& f : found[c].files) samples_.emplace_back(std::move(f), int64_t(kept.size()) - 1);
@@ -639,7 +640,6 @@ class ImageFolder : public Dataset {
     }
     std::stable_sort(samples_.begin(), samples_.end(),
                      [](const auto& x, const auto& y) { return natural_less(x.first, y.first); });
-    std::sort(nested.begin(), nested.end(), natural_less);
     if (!other.empty()) {
       size_t n = 0;
       std::vector<std::string> counts, wider = extensions_;
@@ -662,17 +662,15 @@ class ImageFolder : public Dataset {
     if (!loose.empty())
       warnings_.push_back(fmt::format("{}: {} image(s) directly in the split folder belong to no class folder and "
                                       "were skipped (first: {}); timm's reader makes them a class named ''",
-                                      folder_, loose.size(), loose.front()));
+                                      folder_, loose.size(), first(loose)));
     if (!nested.empty())
       warnings_.push_back(fmt::format("{}: {} image(s) lie in sub-folders of their class folder (first: {}): "
                                       "imgtrain labels them by the class folder, as torchvision's ImageFolder does; "
                                       "timm's reader labels each by its innermost folder's name",
-                                      folder_, nested.size(), nested.front()));
-    if (!broken.empty()) {
-      std::sort(broken.begin(), broken.end(), natural_less);
+                                      folder_, nested.size(), first(nested)));
+    if (!broken.empty())
       warnings_.push_back(fmt::format("{}: {} link(s) lead to no file and were skipped (first: {})", folder_,
-                                      broken.size(), broken.front()));
-    }
+                                      broken.size(), first(broken)));
     classes_ = std::move(kept);
     if (!links.empty())
       warnings_.push_back(fmt::format("{}: {} linked folder(s) lead back into the split or into another class and "

@@ -6,6 +6,7 @@
 #include "io/weights.h"
 
 #include <torch/torch.h>
+#include <yaml-cpp/yaml.h>
 
 #include <cmath>
 #include <cstdlib>
@@ -175,28 +176,18 @@ CheckpointMeta Checkpoint::read_meta(const std::string& path) {
 }
 
 std::optional<std::string> CheckpointMeta::arg(const std::string& key) const {
-  size_t pos = 0;
-  while (pos < args.size()) {
-    const size_t eol = std::min(args.find('\n', pos), args.size());
-    const std::string_view line(args.data() + pos, eol - pos);
-    if (line.size() > key.size() + 2 && line.substr(0, key.size()) == key && line.substr(key.size(), 2) == ": ") {
-      std::string v(line.substr(key.size() + 2));
-      // a quoted scalar (imgtrain writes strings as "..."): its text
-      if (v.size() >= 2 && (v.front() == '"' || v.front() == '\'') && v.back() == v.front()) {
-        const char q = v.front();
-        std::string text;
-        for (size_t i = 1; i + 1 < v.size(); ++i) {
-          if (q == '"' && v[i] == '\\' && i + 2 < v.size()) ++i;             // \" and \\ in double quotes
-          else if (q == '\'' && v[i] == '\'' && i + 2 < v.size()) ++i;      // '' in single quotes
-          text += v[i];
-        }
-        return text;
-      }
-      return v;
-    }
-    pos = eol + 1;
-  }
+  const YAML::Node v = arg_node(key);
+  if (v && v.IsScalar()) return v.as<std::string>();
   return std::nullopt;
+}
+
+YAML::Node CheckpointMeta::arg_node(const std::string& key) const {
+  try {
+    const YAML::Node root = YAML::Load(args);
+    if (root.IsMap() && root[key]) return root[key];
+  } catch (const YAML::Exception&) {  // not YAML: a file written by hand; nothing to read from it
+  }
+  return YAML::Node(YAML::NodeType::Undefined);
 }
 
 std::string Checkpoint::weights_prefix(bool prefer_ema) const { return io::weights_prefix(st_, prefer_ema); }

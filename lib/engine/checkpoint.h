@@ -9,6 +9,7 @@
 #include "io/safetensors.h"
 
 #include <torch/nn/module.h>
+#include <yaml-cpp/node/node.h>
 
 #include <functional>
 #include <map>
@@ -55,8 +56,10 @@ struct CheckpointMeta {
   std::string args;     // args.yaml of the run
   int64_t version = 2;
 
-  // The value of a top-level `key: value` line of `args` (the args.yaml imgtrain wrote), or nullopt.
+  // A top-level value of `args` (the run's args.yaml): a scalar's text, or nullopt; the node itself
+  // (undefined when absent or `args` is not YAML).
   std::optional<std::string> arg(const std::string& key) const;
+  YAML::Node arg_node(const std::string& key) const;
   std::map<std::string, std::string> to_metadata() const;
   // Throws UserError naming `what` when a field has a malformed value.
   static CheckpointMeta from_metadata(const std::map<std::string, std::string>& md, const std::string& what);

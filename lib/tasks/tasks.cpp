@@ -8,11 +8,11 @@
 #include "tasks/detection/detection.h"
 
 #include <fmt/ranges.h>
+#include <yaml-cpp/yaml.h>
 
 #include <algorithm>
 #include <cstdlib>
 #include <optional>
-#include <sstream>
 #include <string_view>
 
 namespace imgtrain::tasks {
@@ -125,20 +125,15 @@ TaskSetup classification_setup(const cli::Config& cfg, int64_t rank, int64_t wor
   return s;
 }
 
-// A flow list of numbers ("[0.5, 0.5, 0.5]") in a checkpoint's args.yaml, or {} (absent, empty,
-// or not numbers).
+// A list of numbers in a checkpoint's args.yaml, or {} (absent, empty, or not numbers).
 std::vector<double> numbers_arg(const engine::CheckpointMeta& m, const std::string& key) {
-  const auto v = m.arg(key);
-  if (!v || v->size() < 2 || v->front() != '[' || v->back() != ']') return {};
-  std::vector<double> out;
-  std::stringstream items(v->substr(1, v->size() - 2));
-  for (std::string item; std::getline(items, item, ',');) {
-    char* end = nullptr;
-    const double x = std::strtod(item.c_str(), &end);
-    if (end == item.c_str()) return {};
-    out.push_back(x);
+  const YAML::Node v = m.arg_node(key);
+  if (!v || !v.IsSequence()) return {};
+  try {
+    return v.as<std::vector<double>>();
+  } catch (const YAML::Exception&) {
+    return {};
   }
-  return out;
 }
 
 TaskSetup classification_validate_setup(const cli::Config& cfg, const engine::CheckpointMeta* meta) {
